@@ -1,0 +1,228 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from vlfuse import CrossAttention
+from vlfuse.layers.attention import attention_core
+
+ATOL = 1e-5
+
+
+def make(dim=32, heads=4, kv_dim=None, seed=0, **kw):
+    torch.manual_seed(seed)
+    attn = CrossAttention(dim, heads, kv_dim=kv_dim, **kw)
+    # Non-zero biases, so bias handling is exercised too.
+    with torch.no_grad():
+        for p in attn.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.1)
+    return attn.eval()
+
+
+def inputs(b=3, lq=5, lk=7, dim=32, kv_dim=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, lq, dim, generator=g), torch.randn(b, lk, kv_dim, generator=g)
+
+
+@pytest.mark.parametrize("kv_dim", [32, 48])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_matches_torch_multihead_attention(kv_dim, with_mask):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True, kdim=kv_dim, vdim=kv_dim).eval()
+    with torch.no_grad():
+        for name, p in mha.named_parameters():
+            if "bias" in name:
+                p.normal_(0, 0.1)
+    attn = CrossAttention.from_torch(mha).eval()
+    x, ctx = inputs(kv_dim=kv_dim)
+    mask = torch.rand(3, 7, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask[:, 0] = True  # every row keeps a key: nn.MultiheadAttention gives NaN otherwise
+    expected, expected_w = mha(
+        x, ctx, ctx, key_padding_mask=~mask if with_mask else None, need_weights=True, average_attn_weights=False
+    )
+    out, w = attn(x, ctx, context_mask=mask if with_mask else None, need_weights=True)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(w, expected_w, atol=ATOL, rtol=0)
+    torch.testing.assert_close(attn(x, ctx, context_mask=mask if with_mask else None), expected, atol=ATOL, rtol=0)
+
+
+def test_sdpa_and_explicit_paths_agree():
+    attn = make(kv_dim=24)
+    x, ctx = inputs(kv_dim=24)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 3:] = False
+    fast = attn(x, ctx, context_mask=mask)
+    attn.use_sdpa = False
+    slow = attn(x, ctx, context_mask=mask)
+    torch.testing.assert_close(fast, slow, atol=ATOL, rtol=0)
+
+
+def test_masked_keys_get_no_weight_and_weights_sum_to_one():
+    attn = make()
+    x, ctx = inputs()
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[0, 4:] = False
+    _, w = attn(x, ctx, context_mask=mask, need_weights=True)
+    assert w.shape == (3, 4, 5, 7)
+    assert torch.all(w[0, :, :, 4:] == 0)
+    torch.testing.assert_close(w.sum(-1), torch.ones(3, 4, 5))
+    # Masked keys do not influence the output: changing them changes nothing.
+    ctx2 = ctx.clone()
+    ctx2[0, 4:] += 100.0
+    torch.testing.assert_close(attn(x, ctx, context_mask=mask), attn(x, ctx2, context_mask=mask))
+
+
+@pytest.mark.parametrize("use_sdpa", [True, False])
+def test_fully_masked_rows_give_zero_output_and_finite_gradients(use_sdpa):
+    attn = make().train()
+    attn.use_sdpa = use_sdpa
+    x, ctx = inputs()
+    x.requires_grad_(True)
+    ctx.requires_grad_(True)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1] = False
+    out = attn(x, ctx, context_mask=mask)
+    assert torch.isfinite(out).all()
+    assert torch.all(out[1] == 0)
+    assert out[0].abs().sum() > 0
+    out.sum().backward()
+    grads = [x.grad, ctx.grad] + [p.grad for p in attn.parameters()]
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.all(x.grad[1] == 0)
+    _, w = attn(x, ctx, context_mask=mask, need_weights=True)
+    assert torch.all(w[1] == 0) and torch.isfinite(w).all()
+
+
+def test_every_parameter_receives_a_gradient():
+    attn = make(kv_dim=24).train()
+    x, ctx = inputs(kv_dim=24)
+    attn(x, ctx).pow(2).sum().backward()
+    for name, p in attn.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_projected_context_is_reusable():
+    attn = make(kv_dim=24)
+    _, ctx = inputs(b=2, kv_dim=24)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    kv = attn.project_context(ctx, mask)
+    for seed in range(3):
+        x = torch.randn(2, 4 + seed, 32, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(attn(x, kv=kv), attn(x, ctx, context_mask=mask))
+    # Several questions about the same images: take() repeats image rows for each question.
+    index = torch.tensor([0, 0, 1, 1, 1])
+    x = torch.randn(5, 4, 32)
+    torch.testing.assert_close(attn(x, kv=kv.take(index)), attn(x, ctx[index], context_mask=mask[index]))
+
+
+def test_pruning_removes_exactly_those_heads_contributions():
+    attn = make(dim=32, heads=4, kv_dim=24)
+    x, ctx = inputs(kv_dim=24)
+    pruned_heads = [1, 3]
+    # Reference: the unpruned module with the pruned heads' attention outputs zeroed before out_proj.
+    q = attn._split_heads(attn.q_proj(x))
+    kv = attn.project_context(ctx)
+    per_head, _ = attention_core(q, kv.key, kv.value)  # (B, H, Lq, hd)
+    per_head[:, pruned_heads] = 0
+    expected = attn.out_proj(per_head.transpose(1, 2).reshape(3, 5, 32))
+
+    attn.prune_heads(pruned_heads)
+    assert attn.num_heads == 2 and attn.head_ids == [0, 2] and attn.pruned_heads == {1, 3}
+    assert attn.q_proj.weight.shape == (16, 32) and attn.kv_proj.weight.shape == (32, 24)
+    assert attn.out_proj.weight.shape == (32, 16)
+    torch.testing.assert_close(attn(x, ctx), expected, atol=ATOL, rtol=0)
+    _, w = attn(x, ctx, need_weights=True)
+    assert w.shape == (3, 2, 5, 7)
+
+    # Idempotent on removed heads, original indices still meaningful.
+    attn.prune_heads([1, 3])
+    assert attn.num_heads == 2
+    attn.prune_heads([1, 2])
+    assert attn.head_ids == [0]
+    with pytest.raises(ValueError, match="every head"):
+        attn.prune_heads([0])
+    with pytest.raises(ValueError, match="out of range"):
+        attn.prune_heads([4])
+
+
+def test_pruned_module_still_trains():
+    attn = make(kv_dim=24).train()
+    attn.prune_heads([0])
+    x, ctx = inputs(kv_dim=24)
+    attn(x, ctx).sum().backward()
+    assert all(p.grad is not None for p in attn.parameters())
+
+
+def test_xavier_init_and_zero_bias():
+    torch.manual_seed(0)
+    attn = CrossAttention(256, 16, kv_dim=512)
+    for linear in (attn.q_proj, attn.out_proj):
+        fan_in, fan_out = linear.weight.shape[1], linear.weight.shape[0]
+        bound = (6 / (fan_in + fan_out)) ** 0.5
+        assert linear.weight.abs().max() <= bound
+        assert linear.weight.abs().max() > 0.9 * bound
+        assert torch.all(linear.bias == 0)
+    k_rows = attn.kv_proj.weight[:256]
+    assert k_rows.abs().max() <= (6 / (512 + 256)) ** 0.5
+    assert torch.all(attn.kv_proj.bias == 0)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: CrossAttention(30, 16), "divisible"),
+        (lambda: CrossAttention(32, 0), "at least 1"),
+        (lambda: CrossAttention(32, 4, dropout=1.5), "dropout"),
+    ],
+)
+def test_constructor_errors(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_forward_errors_name_the_problem():
+    attn = make(kv_dim=24)
+    x, ctx = inputs(kv_dim=24)
+    with pytest.raises(ValueError, match="width 32.*kv_dim=24"):
+        attn(x, torch.randn(3, 7, 32))
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        attn(x, ctx[:2])
+    with pytest.raises(ValueError, match="context_mask must have shape"):
+        attn(x, ctx, context_mask=torch.ones(3, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="bool"):
+        attn(x, ctx, context_mask=torch.ones(3, 7))
+    with pytest.raises(ValueError, match="x must be"):
+        attn(torch.randn(3, 5, 16), ctx)
+    with pytest.raises(ValueError, match="exactly one"):
+        attn(x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    lq=st.integers(1, 6),
+    lk=st.integers(1, 9),
+    heads=st.sampled_from([1, 2, 4, 8]),
+    head_dim=st.sampled_from([1, 4, 8]),
+    kv_dim=st.integers(1, 20),
+    mask_seed=st.integers(0, 10_000),
+)
+def test_random_shapes_match_torch_and_never_nan(b, lq, lk, heads, head_dim, kv_dim, mask_seed):
+    dim = heads * head_dim
+    g = torch.Generator().manual_seed(mask_seed)
+    mha = nn.MultiheadAttention(dim, heads, batch_first=True, kdim=kv_dim, vdim=kv_dim).eval()
+    attn = CrossAttention.from_torch(mha).eval()
+    x, ctx = torch.randn(b, lq, dim, generator=g), torch.randn(b, lk, kv_dim, generator=g)
+    mask = torch.rand(b, lk, generator=g) > 0.5
+    out = attn(x, ctx, context_mask=mask)
+    assert out.shape == (b, lq, dim) and torch.isfinite(out).all()
+    attn.use_sdpa = False
+    torch.testing.assert_close(attn(x, ctx, context_mask=mask), out, atol=ATOL, rtol=0)
+    rows = mask.any(-1)
+    assert torch.all(out[~rows] == 0)
+    if rows.any():
+        expected, _ = mha(x[rows], ctx[rows], ctx[rows], key_padding_mask=~mask[rows])
+        torch.testing.assert_close(out[rows], expected, atol=ATOL, rtol=0)

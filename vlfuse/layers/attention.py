@@ -1,0 +1,292 @@
+"""Multi-head cross-attention: the whole attention story of vlfuse in one file.
+
+Text tokens are the queries, image tokens the keys and values. All heads are computed at once by
+reshaping ``(B, L, H * hd) -> (B, H, L, hd)``; no Python loop ever runs over heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ProjectedContext:
+    """Keys and values of a context, projected once and reusable for many query batches.
+
+    Attributes:
+        key: ``(B, H, Lk, hd)`` projected keys.
+        value: ``(B, H, Lk, hd)`` projected values.
+        mask: optional ``(B, Lk)`` boolean mask, True where a key may be attended.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.key.shape[0]
+
+    def take(self, index: torch.Tensor) -> "ProjectedContext":
+        """Rows ``index`` of the batch, e.g. the image of each question when images are shared."""
+        mask = None if self.mask is None else self.mask[index]
+        return ProjectedContext(self.key[index], self.value[index], mask)
+
+
+def attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+    use_sdpa: bool = True,
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(Q K^T / sqrt(hd)) V for all heads at once.
+
+    Args:
+        q: ``(B, H, Lq, hd)``; k, v: ``(B, H, Lk, hd)``.
+        mask: boolean, broadcastable to ``(B, H, Lq, Lk)``, True where a key may be attended.
+            Every query must keep at least one key (callers handle fully masked rows).
+        dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
+        use_sdpa: use ``F.scaled_dot_product_attention``; ignored when ``need_weights`` is set,
+            since SDPA does not return its weights.
+        need_weights: also return the ``(B, H, Lq, Lk)`` weights (before dropout).
+
+    Returns:
+        ``(output (B, H, Lq, hd), weights or None)``.
+    """
+    if use_sdpa and not need_weights:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1)
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    return dropped @ v, (weights if need_weights else None)
+
+
+class CrossAttention(nn.Module):
+    """Multi-head attention whose queries come from ``x`` and keys/values from ``context``.
+
+    Args:
+        dim: width of the query sequence ``x`` and of the output.
+        num_heads: number of attention heads; ``dim`` must be divisible by it.
+        kv_dim: width of the context sequence (default: ``dim``).
+        dropout: dropout probability on the attention weights, in training mode.
+        bias: whether the projections have biases.
+
+    The key and value projections are fused into one ``kv_proj`` matrix product. Heads can be
+    removed for real with :meth:`prune_heads`, which slices the projection weights so that the
+    remaining heads cost less. Set ``use_sdpa = False`` for the explicit
+    matmul-softmax-matmul reference path.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 16,
+        *,
+        kv_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be at least 1, got {num_heads}")
+        if dim % num_heads != 0:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.dim = dim
+        self.kv_dim = dim if kv_dim is None else kv_dim
+        self.head_dim = dim // num_heads
+        self.dropout = dropout
+        self.use_sdpa = True
+        # Original indices of the heads still present, in the order of the weight rows.
+        self.head_ids: list[int] = list(range(num_heads))
+        inner = num_heads * self.head_dim
+        self.q_proj = nn.Linear(dim, inner, bias=bias)
+        self.kv_proj = nn.Linear(self.kv_dim, 2 * inner, bias=bias)  # rows: [keys; values]
+        self.out_proj = nn.Linear(inner, dim, bias=bias)
+        self.reset_parameters()
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.head_ids)
+
+    @property
+    def pruned_heads(self) -> set[int]:
+        """Original indices of the heads removed so far."""
+        return set(range(self.dim // self.head_dim)) - set(self.head_ids)
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections (as in the original Transformer), zero biases."""
+        inner = self.num_heads * self.head_dim
+        nn.init.xavier_uniform_(self.q_proj.weight)
+        # Initialise keys and values separately so each gets the fan of its own matrix.
+        nn.init.xavier_uniform_(self.kv_proj.weight[:inner])
+        nn.init.xavier_uniform_(self.kv_proj.weight[inner:])
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        for linear in (self.q_proj, self.kv_proj, self.out_proj):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+
+    def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, length, _ = t.shape
+        return t.view(b, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
+
+    def _check_context(self, context: torch.Tensor, context_mask: torch.Tensor | None) -> None:
+        if context.dim() != 3:
+            raise ValueError(f"context must be (batch, length, {self.kv_dim}), got shape {tuple(context.shape)}")
+        if context.shape[-1] != self.kv_dim:
+            raise ValueError(f"context has width {context.shape[-1]}, but this layer expects kv_dim={self.kv_dim}")
+        if context_mask is not None:
+            if context_mask.dtype != torch.bool:
+                raise ValueError(f"context_mask must be a bool tensor (True = may attend), got dtype {context_mask.dtype}")
+            if context_mask.shape != context.shape[:2]:
+                raise ValueError(
+                    f"context_mask must have shape (batch, context length) = {tuple(context.shape[:2])}, "
+                    f"got {tuple(context_mask.shape)}"
+                )
+
+    def project_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> ProjectedContext:
+        """Project ``context`` ``(B, Lk, kv_dim)`` to keys and values once, for reuse across calls."""
+        self._check_context(context, context_mask)
+        key, value = self.kv_proj(context).chunk(2, dim=-1)  # each (B, Lk, H * hd)
+        return ProjectedContext(self._split_heads(key), self._split_heads(value), context_mask)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        context_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        kv: ProjectedContext | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``x`` to ``context``.
+
+        Args:
+            x: ``(B, Lq, dim)`` queries.
+            context: ``(B, Lk, kv_dim)`` keys/values; omit when ``kv`` is given.
+            context_mask: ``(B, Lk)`` bool, True where a key may be attended. A query whose keys
+                are all masked gets a zero output (and zero gradients), never NaN.
+            need_weights: also return the per-head attention weights ``(B, H, Lq, Lk)``. Only this
+                call takes the explicit path; other layers keep the fast one.
+            kv: keys/values from :meth:`project_context`, instead of ``context``.
+
+        Returns:
+            ``(B, Lq, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
+        """
+        if (context is None) == (kv is None):
+            raise ValueError("pass exactly one of context or kv")
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must be (batch, length, {self.dim}), got shape {tuple(x.shape)}")
+        if kv is None:
+            kv = self.project_context(context, context_mask)
+        elif context_mask is not None:
+            raise ValueError("context_mask belongs to project_context when kv is given")
+        if kv.batch_size != x.shape[0]:
+            raise ValueError(f"batch sizes differ: x has {x.shape[0]}, context has {kv.batch_size}")
+        if kv.key.shape[1] != self.num_heads:
+            raise ValueError(f"kv was projected with {kv.key.shape[1]} heads, this layer has {self.num_heads}")
+
+        mask, empty_rows = None, None
+        if kv.mask is not None:
+            has_key = kv.mask.any(dim=-1)  # (B,)
+            # Rows with no key would give softmax over nothing (NaN): let them attend everywhere,
+            # then zero their output below so neither the forward nor the backward sees a NaN.
+            mask = (kv.mask | ~has_key[:, None])[:, None, None, :]  # (B, 1, 1, Lk)
+            empty_rows = None if bool(has_key.all()) else ~has_key
+
+        q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
+        out, weights = attention_core(
+            q,
+            kv.key,
+            kv.value,
+            mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            use_sdpa=self.use_sdpa,
+            need_weights=need_weights,
+        )
+        b, _, lq, _ = out.shape
+        out = self.out_proj(out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim))  # (B, Lq, dim)
+        if empty_rows is not None:
+            out = out.masked_fill(empty_rows[:, None, None], 0.0)
+            if weights is not None:
+                weights = weights.masked_fill(empty_rows[:, None, None, None], 0.0)
+        return (out, weights) if need_weights else out
+
+    @torch.no_grad()
+    def prune_heads(self, heads: Iterable[int]) -> None:
+        """Remove heads for real, by their original index (idempotent for removed heads).
+
+        The q/k/v rows and the output-projection columns of those heads are sliced away, so
+        the remaining heads cost proportionally less.
+        """
+        original_count = self.dim // self.head_dim
+        heads = set(int(h) for h in heads)
+        bad = sorted(h for h in heads if not 0 <= h < original_count)
+        if bad:
+            raise ValueError(f"head indices {bad} out of range for a layer built with {original_count} heads")
+        keep = [i for i, h in enumerate(self.head_ids) if h not in heads]
+        if not keep:
+            raise ValueError("cannot prune every head of a CrossAttention layer")
+        if len(keep) == self.num_heads:
+            return
+        hd, inner = self.head_dim, self.num_heads * self.head_dim
+        rows = torch.tensor([i * hd + j for i in keep for j in range(hd)], device=self.q_proj.weight.device)
+        self.q_proj = _slice_linear(self.q_proj, rows, dim=0)
+        self.kv_proj = _slice_linear(self.kv_proj, torch.cat([rows, rows + inner]), dim=0)
+        self.out_proj = _slice_linear(self.out_proj, rows, dim=1)
+        self.head_ids = [self.head_ids[i] for i in keep]
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention) -> "CrossAttention":
+        """Copy the weights of a ``batch_first`` :class:`nn.MultiheadAttention`."""
+        if not mha.batch_first:
+            raise ValueError("from_torch needs nn.MultiheadAttention(batch_first=True)")
+        if mha.kdim != mha.vdim:
+            raise ValueError(f"CrossAttention needs kdim == vdim, got kdim={mha.kdim}, vdim={mha.vdim}")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn have no CrossAttention equivalent")
+        bias = mha.in_proj_bias is not None
+        attn = cls(mha.embed_dim, mha.num_heads, kv_dim=mha.kdim, dropout=mha.dropout, bias=bias)
+        d = mha.embed_dim
+        with torch.no_grad():
+            if mha._qkv_same_embed_dim:
+                w_q, w_k, w_v = mha.in_proj_weight.split(d)
+            else:
+                w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+            attn.q_proj.weight.copy_(w_q)
+            attn.kv_proj.weight.copy_(torch.cat([w_k, w_v]))
+            attn.out_proj.weight.copy_(mha.out_proj.weight)
+            if bias:
+                b_q, b_k, b_v = mha.in_proj_bias.split(d)
+                attn.q_proj.bias.copy_(b_q)
+                attn.kv_proj.bias.copy_(torch.cat([b_k, b_v]))
+                attn.out_proj.bias.copy_(mha.out_proj.bias)
+        return attn.to(mha.out_proj.weight.device, mha.out_proj.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, kv_dim={self.kv_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
+
+
+def _slice_linear(linear: nn.Linear, index: torch.Tensor, dim: int) -> nn.Linear:
+    """A new Linear keeping rows (dim=0, outputs) or columns (dim=1, inputs) ``index``."""
+    weight = linear.weight.index_select(dim, index).clone()
+    out_features, in_features = weight.shape
+    new = nn.Linear(in_features, out_features, bias=linear.bias is not None, device=weight.device, dtype=weight.dtype)
+    new.weight.copy_(weight)
+    if linear.bias is not None:
+        new.bias.copy_(linear.bias.index_select(0, index) if dim == 0 else linear.bias)
+    new.weight.requires_grad_(linear.weight.requires_grad)
+    return new

@@ -1,0 +1,149 @@
+"""Fusion blocks: text tokens read image tokens through gated cross-attention."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from vlfuse.layers.attention import CrossAttention, ProjectedContext
+
+
+class FusionBlock(nn.Module):
+    """Pre-LayerNorm fusion block for text queries over image keys/values.
+
+    ``x = x + self_attn(norm(x))`` (optional, with the text padding mask), then
+    ``x = x + tanh(g_attn) * cross_attn(norm(x), image)``, then ``x = x + tanh(g_mlp) * mlp(norm(x))``.
+    The tanh gates start at 0 (as in Flamingo), so a new block ignores the image and, without
+    self-attention, is the identity. ``gated=False`` uses plain residuals instead.
+
+    Args:
+        dim: width of the text tokens.
+        num_heads: heads of both attentions.
+        kv_dim: width of the image tokens (default ``dim``).
+        mlp_ratio: hidden width of the MLP as a multiple of ``dim``.
+        dropout: dropout on the residual branches.
+        attn_dropout: dropout on the attention weights.
+        self_attention: include text self-attention before the cross-attention.
+        gated: multiply the cross-attention and MLP branches by tanh gates initialised to 0.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 16,
+        *,
+        kv_dim: int | None = None,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        self_attention: bool = True,
+        gated: bool = True,
+    ) -> None:
+        super().__init__()
+        self.self_attn = CrossAttention(dim, num_heads, dropout=attn_dropout) if self_attention else None
+        self.norm_self = nn.LayerNorm(dim) if self_attention else None
+        self.norm_cross = nn.LayerNorm(dim)
+        self.cross_attn = CrossAttention(dim, num_heads, kv_dim=kv_dim, dropout=attn_dropout)
+        self.norm_mlp = nn.LayerNorm(dim)
+        hidden = int(dim * mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.drop = nn.Dropout(dropout)
+        self.gate_attn = nn.Parameter(torch.zeros(1)) if gated else None
+        self.gate_mlp = nn.Parameter(torch.zeros(1)) if gated else None
+
+    @staticmethod
+    def _gate(gate: nn.Parameter | None, branch: torch.Tensor) -> torch.Tensor:
+        return branch if gate is None else gate.tanh() * branch
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        text_mask: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        kv: ProjectedContext | None = None,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Fuse ``x`` ``(B, Lt, dim)`` with image tokens.
+
+        Args:
+            context: ``(B, Li, kv_dim)`` image tokens, or ``kv`` from ``cross_attn.project_context``.
+            text_mask: ``(B, Lt)`` bool, True for real (non-padding) text tokens.
+            context_mask: ``(B, Li)`` bool, True for image tokens that may be attended.
+            need_weights: also return the cross-attention weights ``(B, H, Lt, Li)``.
+        """
+        if self.self_attn is not None:
+            h = self.norm_self(x)
+            x = x + self.drop(self.self_attn(h, h, context_mask=text_mask))
+        h = self.norm_cross(x)
+        attended = self.cross_attn(h, context, context_mask=context_mask, kv=kv, need_weights=need_weights)
+        attended, weights = attended if need_weights else (attended, None)
+        x = x + self._gate(self.gate_attn, self.drop(attended))
+        x = x + self._gate(self.gate_mlp, self.drop(self.mlp(self.norm_mlp(x))))
+        return (x, weights) if need_weights else x
+
+
+class FusionStack(nn.Module):
+    """``depth`` FusionBlocks applied in turn; keyword arguments go to every block.
+
+    Image keys/values can be projected once for all layers with :meth:`project_context` and
+    shared between several questions about one image through ``image_index``.
+    """
+
+    def __init__(self, depth: int, dim: int, num_heads: int = 16, **block_kwargs) -> None:
+        super().__init__()
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        self.blocks = nn.ModuleList(FusionBlock(dim, num_heads, **block_kwargs) for _ in range(depth))
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def project_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> list[ProjectedContext]:
+        """Keys/values of ``context`` ``(B, Li, kv_dim)`` for every layer."""
+        return [block.cross_attn.project_context(context, context_mask) for block in self.blocks]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        text_mask: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        kvs: list[ProjectedContext] | None = None,
+        image_index: torch.Tensor | None = None,
+        weights_from: Iterable[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run every block.
+
+        Args:
+            x: ``(B, Lt, dim)`` text tokens.
+            context / context_mask: image tokens ``(Bi, Li, kv_dim)`` and mask, or ``kvs``.
+            image_index: ``(B,)`` the image row of each text row, when ``Bi != B``.
+            weights_from: layer indices whose cross-attention weights to return; only those
+                layers leave the fast path.
+
+        Returns:
+            ``(x, {layer: weights (B, H, Lt, Li)})``.
+        """
+        if kvs is None:
+            if context is None:
+                raise ValueError("pass context or kvs")
+            kvs = self.project_context(context, context_mask)
+        elif context is not None or context_mask is not None:
+            raise ValueError("pass either context (with context_mask) or kvs, not both")
+        if len(kvs) != len(self.blocks):
+            raise ValueError(f"got keys/values for {len(kvs)} layers, the stack has {len(self.blocks)}")
+        if image_index is not None:
+            kvs = [kv.take(image_index) for kv in kvs]
+        wanted = set(weights_from)
+        weights: dict[int, torch.Tensor] = {}
+        for i, (block, kv) in enumerate(zip(self.blocks, kvs)):
+            if i in wanted:
+                x, weights[i] = block(x, text_mask=text_mask, kv=kv, need_weights=True)
+            else:
+                x = block(x, text_mask=text_mask, kv=kv)
+        return x, weights
