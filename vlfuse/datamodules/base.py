@@ -1,0 +1,102 @@
+"""The LightningDataModule shared by every VQA dataset: splits, vocabulary, loaders."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from vlfuse.data import AnswerVocab, GroupedVQADataset, ImageQuestions, collate_grouped
+
+SPLITS = ("train", "val", "test")
+
+
+class VQADataModule(L.LightningDataModule):
+    """Base class: a subclass says how to load each split; this class batches them.
+
+    A batch holds ``batch_size`` images with all their questions (see
+    :func:`vlfuse.data.collate_grouped`), so each image is encoded once per step.
+
+    Args:
+        batch_size: images per batch (each brings all its questions).
+        image_size: side the images are resized to; ``None`` takes the model's.
+        num_workers: DataLoader worker processes.
+        limit_images: keep only the first N images of each split (quick runs and tests).
+        seed: seed of any random split a subclass makes.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 32,
+        image_size: int | None = None,
+        num_workers: int = 0,
+        limit_images: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.image_size = image_size
+        self.num_workers = num_workers
+        self.limit_images = limit_images
+        self.seed = seed
+        self._records: dict[str, list[ImageQuestions]] = {}
+
+    def load_records(self, split: str) -> list[ImageQuestions]:
+        """Every image of ``split`` ('train', 'val' or 'test') with its questions and answers."""
+        raise NotImplementedError
+
+    def build_vocab(self, train: list[ImageQuestions]) -> AnswerVocab:
+        """The answer vocabulary; by default every training answer, most frequent first."""
+        return AnswerVocab.most_common(a for r in train for a in r.answers)
+
+    def records(self, split: str) -> list[ImageQuestions]:
+        """The (cached, possibly limited) records of ``split``."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+        if split not in self._records:
+            records = self.load_records(split)
+            self._records[split] = records[: self.limit_images] if self.limit_images else records
+        return self._records[split]
+
+    @cached_property
+    def vocab(self) -> AnswerVocab:
+        return self.build_vocab(self.load_records("train"))
+
+    @property
+    def answers(self) -> list[str]:
+        return self.vocab.answers
+
+    @property
+    def train_questions(self) -> list[str]:
+        """Every training question, e.g. to build a word-level tokenizer."""
+        return [q for r in self.load_records("train") for q in r.questions]
+
+    def dataset(self, split: str) -> GroupedVQADataset:
+        if self.image_size is None:
+            raise ValueError("image_size is not set: give data.image_size or let the model set it")
+        return GroupedVQADataset(self.records(split), self.vocab, self.image_size)
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            self.dataset(split),
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            generator=generator,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            collate_fn=collate_grouped,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)
