@@ -1,0 +1,15 @@
+"""Image and text encoder wrappers (timm, transformers) and tokenizers."""
+
+from vlfuse.encoders.image import ImageEncoder, ImageEncoderConfig
+from vlfuse.encoders.text import TextEncoder, TextEncoderConfig, scratch_config
+from vlfuse.encoders.tokenizer import build_word_tokenizer, load_tokenizer
+
+__all__ = [
+    "ImageEncoder",
+    "ImageEncoderConfig",
+    "TextEncoder",
+    "TextEncoderConfig",
+    "build_word_tokenizer",
+    "load_tokenizer",
+    "scratch_config",
+]

@@ -1,0 +1,95 @@
+"""Image encoder: any timm vision transformer, returning every token and the patch grid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import timm
+import torch
+from torch import nn
+
+
+@dataclass
+class ImageEncoderConfig:
+    """A timm vision transformer, from scratch with size overrides or with pretrained weights.
+
+    Attributes:
+        name: timm model name, e.g. ``vit_tiny_patch16_224``.
+        pretrained: load timm's pretrained weights for ``name`` (needs the model hub or its cache).
+        weights_file: load pretrained weights from this local file instead (timm's format).
+        image_size: side of the square input image.
+        patch_size: override the patch size (``None`` keeps the model's).
+        width: override the embedding width.
+        depth: override the number of transformer blocks.
+        num_heads: override the number of heads of the encoder's self-attention.
+        mean: per-channel mean used to normalise [0, 1] pixels.
+        std: per-channel standard deviation used to normalise [0, 1] pixels.
+        freeze: keep the encoder's weights fixed during training.
+    """
+
+    name: str = "vit_tiny_patch16_224"
+    pretrained: bool = False
+    weights_file: str | None = None
+    image_size: int = 64
+    patch_size: int | None = 8
+    width: int | None = 128
+    depth: int | None = 2
+    num_heads: int | None = 4
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    freeze: bool = False
+
+
+class ImageEncoder(nn.Module):
+    """Wraps a timm ViT: normalises [0, 1] pixels and returns all tokens (prefix tokens first).
+
+    Args:
+        config: which model to build and how.
+        load_weights: load pretrained weights when the config asks for them; ``False`` when the
+            weights will come from a saved vlfuse model anyway.
+    """
+
+    def __init__(self, config: ImageEncoderConfig, load_weights: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        overrides = {
+            key: value
+            for key, value in {
+                "patch_size": config.patch_size,
+                "embed_dim": config.width,
+                "depth": config.depth,
+                "num_heads": config.num_heads,
+            }.items()
+            if value is not None
+        }
+        pretrained = load_weights and (config.pretrained or config.weights_file is not None)
+        extra = {"pretrained_cfg_overlay": {"file": config.weights_file}} if pretrained and config.weights_file else {}
+        if not timm.is_model(config.name):
+            raise ValueError(f"timm does not know the image encoder {config.name!r} (see timm.list_models())")
+        self.vit = timm.create_model(
+            config.name, pretrained=pretrained, num_classes=0, img_size=config.image_size, **overrides, **extra
+        )
+        if not hasattr(self.vit, "forward_features") or not hasattr(self.vit, "patch_embed"):
+            raise ValueError(f"image encoder {config.name!r} is not a vision transformer with patch tokens")
+        self.register_buffer("mean", torch.tensor(config.mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(config.std).view(1, 3, 1, 1), persistent=False)
+        if config.freeze:
+            self.vit.requires_grad_(False)
+
+    @property
+    def width(self) -> int:
+        return self.vit.embed_dim
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        """(rows, columns) of the patch grid."""
+        return tuple(self.vit.patch_embed.grid_size)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens before the patch tokens (CLS, registers)."""
+        return self.vit.num_prefix_tokens
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``pixels`` (B, 3, S, S) in [0, 1] -> tokens (B, prefix + rows * cols, width)."""
+        return self.vit.forward_features((pixels - self.mean) / self.std)

@@ -1,0 +1,86 @@
+"""Text encoder: any Hugging Face transformers encoder, pretrained or built from a small config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, PretrainedConfig
+
+
+@dataclass
+class TextEncoderConfig:
+    """A transformers encoder: pretrained (``name``) or from scratch (the size fields).
+
+    Attributes:
+        name: hub name or local directory of a pretrained encoder; its tokenizer is used.
+            ``None`` builds a ``model_type`` encoder from scratch with a word-level tokenizer
+            made from the training questions.
+        model_type: architecture for a from-scratch encoder (a transformers model type).
+        width: hidden size of a from-scratch encoder.
+        depth: number of layers of a from-scratch encoder.
+        num_heads: attention heads of a from-scratch encoder.
+        max_length: longest question in tokens; longer ones are truncated.
+        freeze: keep the encoder's weights fixed during training.
+    """
+
+    name: str | None = None
+    model_type: str = "bert"
+    width: int = 128
+    depth: int = 2
+    num_heads: int = 4
+    max_length: int = 32
+    freeze: bool = False
+
+
+def scratch_config(config: TextEncoderConfig, vocab_size: int, pad_token_id: int) -> PretrainedConfig:
+    """The transformers config of a from-scratch encoder."""
+    try:
+        return AutoConfig.for_model(
+            config.model_type,
+            hidden_size=config.width,
+            num_hidden_layers=config.depth,
+            num_attention_heads=config.num_heads,
+            intermediate_size=4 * config.width,
+            vocab_size=vocab_size,
+            max_position_embeddings=max(config.max_length, 8),
+            pad_token_id=pad_token_id,
+        )
+    except ValueError:
+        raise ValueError(f"transformers does not know the text encoder type {config.model_type!r}") from None
+
+
+class TextEncoder(nn.Module):
+    """Wraps a transformers encoder and returns its last hidden states.
+
+    Args:
+        config: which encoder to build.
+        hf_config: the transformers config to build from (no weights loaded); when ``None``,
+            ``config.name`` is loaded with its pretrained weights.
+    """
+
+    def __init__(self, config: TextEncoderConfig, hf_config: PretrainedConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        if hf_config is not None:
+            self.model = AutoModel.from_config(hf_config)
+        elif config.name is not None:
+            try:
+                self.model = AutoModel.from_pretrained(config.name)
+            except OSError as err:
+                raise ValueError(f"cannot load the text encoder {config.name!r}: {str(err).splitlines()[0]}") from None
+        else:
+            raise ValueError("a from-scratch text encoder needs its transformers config")
+        if getattr(self.model, "pooler", None) is not None:
+            self.model.pooler = None  # unused: we pool after fusion
+        if config.freeze:
+            self.model.requires_grad_(False)
+
+    @property
+    def width(self) -> int:
+        return self.model.config.hidden_size
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``input_ids``, ``attention_mask`` (B, L) -> hidden states (B, L, width)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

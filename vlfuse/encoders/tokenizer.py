@@ -1,0 +1,48 @@
+"""Tokenizers: the pretrained encoder's, or a word-level one built from the training questions."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+
+
+def build_word_tokenizer(questions: Iterable[str], max_length: int) -> PreTrainedTokenizerFast:
+    """A lower-casing word-level tokenizer whose vocabulary is every word of ``questions``.
+
+    Words are ordered by frequency, then alphabetically, so the same questions always give the
+    same ids. Each question is wrapped as ``[CLS] words [SEP]``.
+    """
+    normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    pre_tokenizer = pre_tokenizers.Whitespace()
+    counts: Counter[str] = Counter()
+    for question in questions:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(question)))
+    words = sorted(counts, key=lambda w: (-counts[w], w))
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        model_max_length=max_length,
+    )
+
+
+def load_tokenizer(name_or_dir: str):
+    """A saved or pretrained tokenizer, by hub name or local directory."""
+    try:
+        return AutoTokenizer.from_pretrained(name_or_dir)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot load a tokenizer from {name_or_dir!r}: {str(err).splitlines()[0]}") from None
