@@ -1,0 +1,76 @@
+"""The ``vlfuse`` command: ``fit``, ``validate``, ``test`` (LightningCLI) and vlfuse's own tools."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+from vlfuse.datamodules import VQADataModule
+from vlfuse.lit import ExportBestModel, VLFuseLitModule
+
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
+
+
+class VLFuseCLI(LightningCLI):
+    """LightningCLI with a best-model checkpoint, the export of the best model and an optional test."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {"checkpoint.monitor": "val/acc", "checkpoint.mode": "max", "checkpoint.save_last": True}
+        )
+        parser.add_lightning_class_args(ExportBestModel, "export")
+        parser.add_argument(
+            "--test_after_fit", type=bool, default=False, help="after fit, test the best checkpoint on the test split"
+        )
+
+    def after_fit(self) -> None:
+        if not self.config[self.subcommand].get("test_after_fit"):
+            return
+        checkpoint = self.trainer.checkpoint_callback
+        ckpt_path = "best" if isinstance(checkpoint, ModelCheckpoint) and checkpoint.best_model_path else None
+        results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=ckpt_path)
+        exporter = next((c for c in self.trainer.callbacks if isinstance(c, ExportBestModel)), None)
+        if self.trainer.is_global_zero and results:
+            accuracy = results[0].get("test/acc")
+            where = exporter.exported_to if exporter else None
+            print(f"vlfuse: test accuracy {accuracy:.4f}; model saved to {where}")
+
+
+def run_lightning(args: list[str]) -> None:
+    VLFuseCLI(
+        VLFuseLitModule,
+        VQADataModule,
+        subclass_mode_data=True,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": "vlfuse"},
+    )
+
+
+# Subcommands implemented by vlfuse itself rather than by LightningCLI: name -> main(argv).
+TOOLS: dict[str, Callable[[list[str]], int | None]] = {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``vlfuse`` command. Set VLFUSE_DEBUG=1 to see tracebacks of user errors."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if args and args[0] in TOOLS:
+            return TOOLS[args[0]](args[1:]) or 0
+        run_lightning(args)
+    except USER_ERRORS as err:
+        if os.environ.get("VLFUSE_DEBUG"):
+            raise
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"vlfuse: error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

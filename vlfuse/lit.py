@@ -1,0 +1,189 @@
+"""Lightning wrappers: the only place where training lives."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+from torchmetrics.classification import MulticlassAccuracy
+
+from vlfuse.data import IGNORE_INDEX
+from vlfuse.datamodules import VQADataModule
+from vlfuse.model import VLFuseConfig, VLFuseModel
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to ``min_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class VLFuseLitModule(L.LightningModule):
+    """Trains a :class:`VLFuseModel` to classify answers.
+
+    The model is built in :meth:`setup`, once the datamodule has told the answer vocabulary and
+    the training questions (for a word-level tokenizer).
+
+    Args:
+        architecture: the model to build.
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay (not applied to biases, norms, gates and embeddings
+            of positions and class tokens).
+        warmup_ratio: share of the training steps spent warming the learning rate up.
+        min_lr_ratio: the learning rate at the end of the cosine decay, relative to ``lr``.
+        label_smoothing: label smoothing of the cross-entropy loss.
+    """
+
+    def __init__(
+        self,
+        architecture: VLFuseConfig | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.05,
+        warmup_ratio: float = 0.05,
+        min_lr_ratio: float = 0.01,
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.architecture = architecture or VLFuseConfig()
+        # Plain types only, so that checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters(
+            {
+                "architecture": asdict(self.architecture),
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "warmup_ratio": warmup_ratio,
+                "min_lr_ratio": min_lr_ratio,
+                "label_smoothing": label_smoothing,
+            }
+        )
+        self.model: VLFuseModel | None = None
+
+    # ------------------------------------------------------------------------------ building
+    def setup(self, stage: str) -> None:
+        if self.model is not None:
+            return
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if not isinstance(datamodule, VQADataModule):
+            raise ValueError("VLFuseLitModule needs a VQADataModule (data: class_path: vlfuse.datamodules...)")
+        self.configure_datamodule(datamodule)
+        self.build_model(datamodule.answers, datamodule.train_questions)
+
+    def configure_datamodule(self, datamodule: VQADataModule) -> None:
+        """Give the datamodule the model's image size (or check that they agree)."""
+        size = self.architecture.image.image_size
+        if datamodule.image_size is None:
+            datamodule.image_size = size
+        elif datamodule.image_size != size:
+            raise ValueError(
+                f"data.image_size ({datamodule.image_size}) differs from the model's "
+                f"architecture.image.image_size ({size}); set one of them (or leave data.image_size out)"
+            )
+
+    def build_model(self, answers: list[str], questions: list[str]) -> None:
+        self.model = VLFuseModel.from_config(self.architecture, answers, questions)
+        num_classes = len(answers)
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["vlfuse_answers"] = list(self.model.answers)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("vlfuse_answers")
+        if self.model is not None and saved is not None and saved != self.model.answers:
+            raise ValueError(
+                f"the checkpoint was trained on {len(saved)} answers {saved[:5]}..., but the data gives "
+                f"{len(self.model.answers)} answers {self.model.answers[:5]}...: the answer vocabularies differ"
+            )
+
+    # ------------------------------------------------------------------------------ steps
+    def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        """Tokenize the batch's questions (cheap, and the tokenizer belongs to the model)."""
+        if "input_ids" not in batch:
+            batch.update(self.model.tokenize(batch["questions"]))
+        return batch
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.model(
+            batch["pixel_values"], batch["input_ids"], batch["attention_mask"], image_index=batch["image_index"]
+        ).logits
+
+    def _step(self, batch: dict, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:
+        logits = self(batch)
+        labels = batch["labels"]
+        loss = F.cross_entropy(
+            logits, labels, ignore_index=IGNORE_INDEX, label_smoothing=self.hparams.label_smoothing
+        )
+        accuracy(logits, labels)
+        n = len(labels)
+        on_step = stage == "train"
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=n, on_step=on_step, on_epoch=True, sync_dist=not on_step)
+        self.log(f"{stage}/acc", accuracy, prog_bar=True, batch_size=n, on_step=False, on_epoch=True)
+        return loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train", self.train_acc)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._step(batch, "val", self.val_acc)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._step(batch, "test", self.test_acc)
+
+    # ------------------------------------------------------------------------------ optimisation
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for name, param in self.model.named_parameters():
+            if not param.requires_grad:
+                continue
+            if param.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "reg_token")):
+                no_decay.append(param)
+            else:
+                decay.append(param)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.hparams.lr,
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = max(1, int(total * self.hparams.warmup_ratio))
+        min_ratio = self.hparams.min_lr_ratio
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, warmup_steps=warmup, total_steps=total, min_ratio=min_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class ExportBestModel(Callback):
+    """At the end of ``fit``, save the best checkpoint's model with ``save_pretrained``.
+
+    Args:
+        dirpath: where to write the model; default ``<log dir>/model``.
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = dirpath
+        self.exported_to: Path | None = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: VLFuseLitModule) -> None:
+        checkpoint = trainer.checkpoint_callback
+        best = getattr(checkpoint, "best_model_path", "") if isinstance(checkpoint, ModelCheckpoint) else ""
+        if best:
+            state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
+            pl_module.load_state_dict(state)
+        if trainer.is_global_zero:
+            target = Path(self.dirpath or Path(trainer.log_dir or trainer.default_root_dir) / "model")
+            self.exported_to = pl_module.model.save_pretrained(target)
+            source = f"best checkpoint {best}" if best else "final weights"
+            rank_zero_info(f"vlfuse: saved the model ({source}) to {self.exported_to}")
