@@ -41,8 +41,9 @@ class VLFuseCLI(LightningCLI):
             print(f"vlfuse: test accuracy {accuracy:.4f}; model saved to {where}")
 
 
-def run_lightning(args: list[str]) -> None:
-    VLFuseCLI(
+def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
+    """Run a LightningCLI subcommand (``args``, default ``sys.argv``); returns the CLI object."""
+    return VLFuseCLI(
         VLFuseLitModule,
         VQADataModule,
         subclass_mode_data=True,
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args and args[0] in TOOLS:
             return TOOLS[args[0]](args[1:]) or 0
-        run_lightning(args)
+        run_lightning(argv)
     except USER_ERRORS as err:
         if os.environ.get("VLFUSE_DEBUG"):
             raise

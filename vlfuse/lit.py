@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict
 from pathlib import Path
@@ -44,7 +45,7 @@ class VLFuseLitModule(L.LightningModule):
 
     def __init__(
         self,
-        architecture: VLFuseConfig | None = None,
+        architecture: VLFuseConfig = VLFuseConfig(),
         lr: float = 1e-3,
         weight_decay: float = 0.05,
         warmup_ratio: float = 0.05,
@@ -52,7 +53,7 @@ class VLFuseLitModule(L.LightningModule):
         label_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
-        self.architecture = architecture or VLFuseConfig()
+        self.architecture = copy.deepcopy(architecture)  # the default instance is shared
         # Plain types only, so that checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters(
             {

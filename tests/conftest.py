@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny architecture that trains in seconds on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
+from vlfuse.model import VLFuseConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+def tiny_config(**overrides) -> VLFuseConfig:
+    """A model small enough to train in seconds: widths 32, one layer each, 16 fusion heads."""
+    fields = dict(
+        image=ImageEncoderConfig(image_size=32, patch_size=8, width=32, depth=1, num_heads=2),
+        text=TextEncoderConfig(width=32, depth=1, num_heads=2, max_length=16),
+        fusion_dim=32,
+        fusion_depth=2,
+        fusion_heads=16,
+        dropout=0.0,
+    )
+    fields.update(overrides)
+    return VLFuseConfig(**fields)
+
+
+def tiny_cli_args(root: Path, limit_images: int = 8) -> list[str]:
+    """Command-line overrides that shrink any config to a tiny model on a few images."""
+    return [
+        "--model.architecture.image.image_size=32",
+        "--model.architecture.image.patch_size=8",
+        "--model.architecture.image.width=32",
+        "--model.architecture.image.depth=1",
+        "--model.architecture.image.num_heads=2",
+        "--model.architecture.text.width=32",
+        "--model.architecture.text.depth=1",
+        "--model.architecture.text.num_heads=2",
+        "--model.architecture.fusion_dim=32",
+        "--model.architecture.fusion_depth=1",
+        f"--data.init_args.limit_images={limit_images}",
+        "--data.init_args.batch_size=4",
+        "--data.init_args.num_workers=0",
+        f"--trainer.default_root_dir={root}",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        f"--checkpoint.dirpath={root / 'checkpoints'}",
+        f"--export.dirpath={root / 'model'}",
+    ]
+
+
+@pytest.fixture
+def tiny() -> VLFuseConfig:
+    return tiny_config()

@@ -1,0 +1,104 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlfuse.cli import main, run_lightning
+from vlfuse.model import VLFuseModel
+
+from conftest import REPO, SHARED, tiny_cli_args
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+DATA_NEEDS = {"shapes": SHARED / "data" / "shapes"}
+
+
+def needs_data(config: Path):
+    for key, path in DATA_NEEDS.items():
+        if key in config.stem and not path.exists():
+            pytest.skip(f"{config.name} needs {path}")
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_config_validates_against_the_cli(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    assert "class_path" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_config_trains_for_one_batch(config, tmp_path):
+    needs_data(config)
+    cli = run_lightning(["fit", "--config", str(config), *tiny_cli_args(tmp_path), "--trainer.fast_dev_run=true"])
+    assert cli.trainer.global_step == 1
+    model = VLFuseModel.from_pretrained(tmp_path / "model")
+    assert model.answers == cli.datamodule.answers
+
+
+def _fit(root, *extra):
+    args = ["fit", "--config", str(REPO / "configs" / "easy_vqa.yaml"), *tiny_cli_args(root), "--test_after_fit=false"]
+    return run_lightning([*args, *extra])
+
+
+def test_same_seed_gives_same_metrics(tmp_path):
+    first = _fit(tmp_path / "a", "--trainer.max_epochs=1")
+    second = _fit(tmp_path / "b", "--trainer.max_epochs=1")
+    metrics = ("val/loss", "val/acc", "train/loss_epoch")
+    for name in metrics:
+        assert first.trainer.callback_metrics[name] == second.trainer.callback_metrics[name], name
+
+
+def test_resumed_run_continues_from_its_checkpoint(tmp_path):
+    first = _fit(tmp_path, "--trainer.max_epochs=1")
+    steps_per_epoch = first.trainer.global_step
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.exists()
+    # Lightning checkpoints hold plain types only: they load without unpickling code.
+    assert "vlfuse_answers" in torch.load(last, weights_only=True)
+    resumed = _fit(tmp_path, "--trainer.max_epochs=2", f"--ckpt_path={last}")
+    assert resumed.trainer.current_epoch == 2
+    assert resumed.trainer.global_step == 2 * steps_per_epoch
+
+
+def test_fit_then_test_prints_accuracy_and_model_dir(tmp_path, capsys):
+    _fit(tmp_path, "--trainer.max_epochs=1", "--test_after_fit=true")
+    out = capsys.readouterr().out
+    assert f"model saved to {tmp_path / 'model'}" in out
+    assert "vlfuse: test accuracy" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model.architecture.fusion_dimm=3"], "model.architecture.fusion_dimm"),
+        (["--model.architecture.image.name=vit_bogus"], "timm does not know the image encoder 'vit_bogus'"),
+        (["--data.init_args.image_size=48"], "data.image_size (48) differs"),
+    ],
+)
+def test_bad_configs_give_one_line_errors(tmp_path, capsys, extra, message):
+    args = ["fit", "--config", str(REPO / "configs" / "easy_vqa.yaml"), *tiny_cli_args(tmp_path)]
+    try:
+        code = main([*args, "--trainer.fast_dev_run=true", *extra])
+    except SystemExit as exit_info:  # the argument parser exits by itself
+        code = exit_info.code
+    assert code != 0
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_ddp_two_cpu_processes(tmp_path):
+    """The same config runs on 2 processes (gloo) with Lightning's ddp strategy."""
+    args = [
+        sys.executable, "-m", "vlfuse.cli", "fit", "--config", str(REPO / "configs" / "easy_vqa.yaml"),
+        *tiny_cli_args(tmp_path, limit_images=16), "--trainer.max_epochs=1", "--test_after_fit=false",
+        "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr + result.stdout
+    assert (tmp_path / "model" / "model.safetensors").exists()

@@ -1,0 +1,133 @@
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlfuse.data import GroupedVQADataset, ImageQuestions, collate_grouped
+from vlfuse.data.answers import AnswerVocab
+from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
+from vlfuse.model import VLFuseModel
+
+from conftest import tiny_config
+
+ANSWERS = ["no", "yes", "red", "blue"]
+
+
+def toy_batch(n_images=4, size=32, seed=0):
+    """Images that are red or blue, each with two questions."""
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(n_images):
+        colour = "red" if i % 2 == 0 else "blue"
+        pixels = (torch.rand(size, size, 3, generator=g) * 60).to(torch.uint8)
+        pixels[..., 0 if colour == "red" else 2] += 150
+        records.append(
+            ImageQuestions(
+                pixels.numpy(),
+                ["what color is the shape?", f"is there a {colour} shape?"],
+                [colour, "yes"],
+                image_id=str(i),
+            )
+        )
+    dataset = GroupedVQADataset(records, AnswerVocab(ANSWERS), size)
+    return records, collate_grouped([dataset[i] for i in range(len(dataset))])
+
+
+def make_model(**overrides):
+    torch.manual_seed(0)
+    records, batch = toy_batch()
+    questions = [q for r in records for q in r.questions]
+    return VLFuseModel.from_config(tiny_config(**overrides), ANSWERS, questions), batch
+
+
+def logits(model, batch, **kw):
+    tokens = model.tokenize(batch["questions"])
+    return model(batch["pixel_values"], **tokens, image_index=batch["image_index"], **kw).logits
+
+
+def test_forward_shapes_and_attention_weights():
+    model, batch = make_model()
+    tokens = model.tokenize(batch["questions"])
+    out = model.eval()(batch["pixel_values"], **tokens, image_index=batch["image_index"], weights_from=[0, 1])
+    assert out.logits.shape == (8, len(ANSWERS))
+    grid = model.image_encoder.grid_size
+    assert grid == (4, 4)
+    lt = tokens["input_ids"].shape[1]
+    assert out.attentions[1].shape == (8, 16, lt, 1 + 16)
+    torch.testing.assert_close(out.attentions[1].sum(-1), torch.ones(8, 16, lt))
+
+
+def test_shared_images_give_the_same_logits_as_repeated_images():
+    model, batch = make_model()
+    model.eval()
+    shared = logits(model, batch)
+    tokens = model.tokenize(batch["questions"])
+    repeated = model(batch["pixel_values"][batch["image_index"]], **tokens).logits
+    torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=0)
+
+
+def test_save_and_load_give_identical_logits(tmp_path):
+    model, batch = make_model()
+    model.prune_heads({1: [0, 5]})
+    model.eval()
+    directory = model.save_pretrained(tmp_path / "m")
+    assert sorted(p.name for p in directory.iterdir()) == ["answers.json", "config.json", "model.safetensors", "tokenizer"]
+    meta = json.loads((directory / "config.json").read_text())
+    assert meta["config"]["pruned_heads"] == {"1": [0, 5]}
+    loaded = VLFuseModel.from_pretrained(directory)
+    assert loaded.answers == ANSWERS
+    assert loaded.fusion.blocks[1].cross_attn.num_heads == 14
+    torch.testing.assert_close(logits(loaded, batch), logits(model, batch), atol=0, rtol=0)
+
+
+def test_loading_reports_missing_files_other_versions_and_answer_mismatch(tmp_path):
+    model, _ = make_model()
+    directory = model.save_pretrained(tmp_path / "m")
+    answers = directory / "answers.json"
+    answers.write_text(json.dumps(ANSWERS + ["green"]))
+    with pytest.raises(ValueError, match="5 answers but the classifier .* has 4 outputs"):
+        VLFuseModel.from_pretrained(directory)
+    answers.unlink()
+    with pytest.raises(FileNotFoundError, match="missing answers.json"):
+        VLFuseModel.from_pretrained(directory)
+    model.save_pretrained(directory)
+    meta = json.loads((directory / "config.json").read_text())
+    meta["format_version"] = 99
+    (directory / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="another vlfuse version"):
+        VLFuseModel.from_pretrained(directory)
+
+
+def test_overfits_one_small_batch():
+    model, batch = make_model()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        loss = F.cross_entropy(logits(model, batch), batch["labels"])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    assert loss.item() < 0.05
+    assert torch.equal(logits(model, batch).argmax(-1), batch["labels"])
+
+
+def test_frozen_encoders_get_no_gradient():
+    image = ImageEncoderConfig(image_size=32, patch_size=8, width=32, depth=1, num_heads=2, freeze=True)
+    text = TextEncoderConfig(width=32, depth=1, num_heads=2, freeze=True)
+    model, batch = make_model(image=image, text=text)
+    logits(model.train(), batch).sum().backward()
+    assert all(p.grad is None for p in model.image_encoder.parameters())
+    assert all(p.grad is None for p in model.text_encoder.parameters())
+    assert model.head[-1].weight.grad is not None
+
+
+def test_unknown_encoder_names_give_one_line_errors():
+    with pytest.raises(ValueError, match="timm does not know the image encoder 'vit_nonexistent'"):
+        make_model(image=ImageEncoderConfig(name="vit_nonexistent"))
+    with pytest.raises(ValueError, match="transformers does not know the text encoder type 'nonexistent'") as info:
+        make_model(text=TextEncoderConfig(model_type="nonexistent"))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="cannot load a tokenizer from '/no/such/dir'"):
+        make_model(text=TextEncoderConfig(name="/no/such/dir"))
