@@ -315,23 +315,33 @@ class ShapesSplit:
         return len(self.queries)
 
 
+def _matching_scenes(first_argument: Query, count: int, rng: np.random.Generator) -> list[Scene]:
+    """``count`` random scenes in which ``first_argument`` matches at least one object."""
+    scenes: list[Scene] = []
+    while len(scenes) < count:
+        scenes += [scene for scene in sample_scenes(count, rng) if denotation(first_argument, scene).any()]
+    return scenes[:count]
+
+
 def generate_question_images(
     query: Query, count: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, list[Scene], list[str]]:
     """``count`` images for one question, as the released training sets were made.
 
     Scenes are resampled until the question's first argument matches at least one object; the
-    answer is then computed by :func:`evaluate`.
+    answer is then computed by :func:`evaluate`. Images are made in blocks of 64, one after the
+    other from ``rng``, so asking for more images leaves the first blocks unchanged.
 
     Returns:
         images RGB uint8 (count, 30, 30, 3), their scenes, and the answers.
     """
     query = _parsed(query)
-    scenes: list[Scene] = []
-    while len(scenes) < count:
-        scenes += [scene for scene in sample_scenes(count, rng) if denotation(query[1], scene).any()]
-    scenes = scenes[:count]
-    return render_scenes(scenes, rng), scenes, [answer_word(evaluate(query, scene)) for scene in scenes]
+    images, scenes = [np.zeros((0, IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8)], []
+    for start in range(0, count, OFFICIAL_IMAGES_PER_QUESTION):
+        block = _matching_scenes(query[1], min(OFFICIAL_IMAGES_PER_QUESTION, count - start), rng)
+        images.append(render_scenes(block, rng))
+        scenes += block
+    return np.concatenate(images), scenes, [answer_word(evaluate(query, scene)) for scene in scenes]
 
 
 def generate_training_set(
@@ -342,8 +352,8 @@ def generate_training_set(
     ``images_per_question=64`` is the official protocol (the released train.large holds 64 images
     for each of its 212 questions). More images is the *extra data* variant: results trained on it
     are not comparable with published ones. Each question draws from its own random stream, seeded
-    by ``seed`` and the question's text, so a question's first 64 images are the same whatever the
-    other questions are and however many images per question are asked for.
+    by ``seed`` and the question's text, so a question's images are the same whatever the other
+    questions are, and its first 64 the same however many images per question are asked for.
     """
     if images_per_question < 1:
         raise ValueError(f"images_per_question must be at least 1, got {images_per_question}")
