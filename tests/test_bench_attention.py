@@ -1,0 +1,40 @@
+"""Smoke test of scripts/bench_attention.py: it runs at tiny sizes and reports every contender."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_prints_a_table_with_every_contender(tmp_path, capsys):
+    bench = load_script()
+    report = tmp_path / "bench.json"
+    targets = bench.main(["--quick", "--json", str(report)])
+    out = capsys.readouterr().out
+
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    labels = ["(a) CrossAttention", "(b) textbook", "(c) nn.MultiheadAttention", "pruned to 12 heads",
+              "pruned to 8 heads", "bare (B*Lk,D)@(D,2D)"]
+    for lk in bench.QUICK["lk"]:
+        rows = [line for line in table if line.startswith(f"| {lk} |")]
+        for label in labels:
+            assert sum(label in row for row in rows) == 1, (lk, label)
+
+    # Targets are printed with a verdict, never asserted on timings.
+    assert len(targets) == 7
+    assert all(t.status in ("PASS", "FAIL") for t in targets)
+    assert out.count("PASS") + out.count("FAIL") == len(targets)
+
+    data = json.loads(report.read_text())
+    assert {row["contender"] for row in data["rows"]} == {"a", "b", "c", "d12", "d8", "bare"}
+    assert all(len(case["ms"]) == bench.QUICK["repeats"] for case in data["samples_ms"])
