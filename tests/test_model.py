@@ -131,3 +131,16 @@ def test_unknown_encoder_names_give_one_line_errors():
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="cannot load a tokenizer from '/no/such/dir'"):
         make_model(text=TextEncoderConfig(name="/no/such/dir"))
+
+
+def test_repeated_questions_are_encoded_once_with_the_same_result():
+    model, batch = make_model()
+    model.eval()
+    tokens = model.tokenize(batch["questions"])
+    calls = []
+    hook = model.text_encoder.register_forward_hook(lambda m, args, out: calls.append(len(args[0])))
+    deduplicated = model.encode_questions(**tokens)
+    hook.remove()
+    assert calls == [len(set(batch["questions"]))] and calls[0] < len(batch["questions"])
+    direct = model.text_encoder(tokens["input_ids"], tokens["attention_mask"])
+    torch.testing.assert_close(deduplicated, direct, atol=1e-5, rtol=0)

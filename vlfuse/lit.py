@@ -107,15 +107,14 @@ class VLFuseLitModule(L.LightningModule):
             )
 
     # ------------------------------------------------------------------------------ steps
-    def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
-        """Tokenize the batch's questions (cheap, and the tokenizer belongs to the model)."""
-        if "input_ids" not in batch:
-            batch.update(self.model.tokenize(batch["questions"]))
-        return batch
-
     def forward(self, batch: dict) -> torch.Tensor:
+        """Answer logits for a batch from :func:`vlfuse.data.collate_grouped`."""
+        tokens = self.model.tokenize(batch["questions"])  # cheap; the tokenizer belongs to the model
         return self.model(
-            batch["pixel_values"], batch["input_ids"], batch["attention_mask"], image_index=batch["image_index"]
+            batch["pixel_values"],
+            tokens["input_ids"].to(self.device),
+            tokens["attention_mask"].to(self.device),
+            image_index=batch["image_index"],
         ).logits
 
     def _step(self, batch: dict, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:

@@ -164,6 +164,20 @@ class VLFuseModel(nn.Module):
         tokens = self.image_proj(self.image_encoder(pixel_values))  # (Bi, Li, fusion_dim)
         return self.fusion.project_context(tokens)
 
+    def encode_questions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Text encoder states (Bq, Lt, width), computed once per distinct question in the batch.
+
+        Datasets repeat questions (easy-VQA has a few hundred distinct ones); the encoder output
+        depends on the question alone, so duplicates are gathered, not recomputed. Gradients
+        flow back through the gather to every use.
+        """
+        tokens = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)  # (Bq, 2 * Lt)
+        distinct, inverse = torch.unique(tokens, dim=0, return_inverse=True)
+        if len(distinct) == len(tokens):
+            return self.text_encoder(input_ids, attention_mask)
+        ids, mask = distinct.split(input_ids.shape[1], dim=1)
+        return self.text_encoder(ids, mask)[inverse]
+
     def forward(
         self,
         pixel_values: torch.Tensor | None,
@@ -187,7 +201,7 @@ class VLFuseModel(nn.Module):
         if image_kvs is None:
             image_kvs = self.encode_images(pixel_values)
         text_mask = attention_mask.bool()
-        text = self.text_proj(self.text_encoder(input_ids, attention_mask))  # (Bq, Lt, fusion_dim)
+        text = self.text_proj(self.encode_questions(input_ids, attention_mask))  # (Bq, Lt, fusion_dim)
         fused, attentions = self.fusion(
             text, text_mask=text_mask, kvs=image_kvs, image_index=image_index, weights_from=weights_from
         )

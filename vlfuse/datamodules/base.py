@@ -63,8 +63,13 @@ class VQADataModule(L.LightningDataModule):
         return self._records[split]
 
     @cached_property
+    def _all_train_records(self) -> list[ImageQuestions]:
+        """The whole training split, ignoring ``limit_images``: the vocabulary comes from all of it."""
+        return self.load_records("train")
+
+    @cached_property
     def vocab(self) -> AnswerVocab:
-        return self.build_vocab(self.load_records("train"))
+        return self.build_vocab(self._all_train_records)
 
     @property
     def answers(self) -> list[str]:
@@ -73,7 +78,7 @@ class VQADataModule(L.LightningDataModule):
     @property
     def train_questions(self) -> list[str]:
         """Every training question, e.g. to build a word-level tokenizer."""
-        return [q for r in self.load_records("train") for q in r.questions]
+        return [q for r in self._all_train_records for q in r.questions]
 
     def dataset(self, split: str) -> GroupedVQADataset:
         if self.image_size is None:

@@ -1,0 +1,122 @@
+"""Training throughput of a config's model, and where the time of a training step goes.
+
+Times, round-robin on the same real batches, (1) a whole training step (forward, backward,
+AdamW), and forward+backward of each part on its own: (2) the image encoder, (3) the text
+encoder, (4) the fusion stack with the projections, pooling and classifier. Prints questions/s
+and images/s of the whole step and each part's share of it.
+
+    .venv/bin/python scripts/bench_training.py --config configs/easy_vqa.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from vlfuse.data import IGNORE_INDEX
+from vlfuse.datamodules import EasyVQADataModule
+from vlfuse.model import VLFuseConfig, VLFuseModel
+
+
+def load_model_and_batches(config_path: Path, n_batches: int, batch_size: int | None):
+    config = yaml.safe_load(config_path.read_text())
+    architecture = VLFuseConfig.from_dict(config["model"]["architecture"])
+    data_args = dict(config["data"].get("init_args", {}))
+    if batch_size:
+        data_args["batch_size"] = batch_size
+    datamodule = EasyVQADataModule(**{**data_args, "image_size": architecture.image.image_size})
+    torch.manual_seed(0)
+    model = VLFuseModel.from_config(architecture, datamodule.answers, datamodule.train_questions).train()
+    loader = iter(datamodule.train_dataloader())
+    batches = []
+    for _ in range(n_batches):
+        batch = next(loader)
+        batch.update(model.tokenize(batch["questions"]))
+        batches.append(batch)
+    return model, batches
+
+
+def train_step(model, optimizer, batch) -> None:
+    logits = model(
+        batch["pixel_values"], batch["input_ids"], batch["attention_mask"], image_index=batch["image_index"]
+    ).logits
+    F.cross_entropy(logits, batch["labels"], ignore_index=IGNORE_INDEX).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def image_part(model, batch) -> None:
+    tokens = model.image_encoder(batch["pixel_values"])
+    tokens.backward(torch.ones_like(tokens))
+
+
+def text_part(model, batch) -> None:
+    states = model.text_encoder(batch["input_ids"], batch["attention_mask"])
+    states.backward(torch.ones_like(states))
+
+
+def fusion_part(model, batch, image_tokens, text_states) -> None:
+    """Projections, key/value projection, fusion blocks, pooling and classifier, on cached encoder outputs."""
+    kvs = model.fusion.project_context(model.image_proj(image_tokens))
+    text = model.text_proj(text_states)
+    mask = batch["attention_mask"].bool()
+    fused, _ = model.fusion(text, text_mask=mask, kvs=kvs, image_index=batch["image_index"])
+    weights = mask.unsqueeze(-1).float()
+    pooled = (fused * weights).sum(1) / weights.sum(1)
+    F.cross_entropy(model.head(pooled), batch["labels"], ignore_index=IGNORE_INDEX).backward()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path("configs/easy_vqa.yaml"))
+    parser.add_argument("--batches", type=int, default=4, help="distinct real batches, cycled")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=None, help="images per batch (default: the config's)")
+    args = parser.parse_args()
+
+    model, batches = load_model_and_batches(args.config, args.batches, args.batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with torch.no_grad():
+        cached = [
+            (model.image_encoder(b["pixel_values"]), model.text_encoder(b["input_ids"], b["attention_mask"]))
+            for b in batches
+        ]
+    parts = {
+        "whole training step": lambda i: train_step(model, optimizer, batches[i]),
+        "image encoder": lambda i: image_part(model, batches[i]),
+        "text encoder": lambda i: text_part(model, batches[i]),
+        "fusion stack + heads": lambda i: fusion_part(model, batches[i], *cached[i]),
+    }
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for rep in range(args.warmup + args.repeats):
+        i = rep % len(batches)
+        names = list(parts)
+        names = names[rep % len(names):] + names[: rep % len(names)]  # rotate the order: noise hits all alike
+        for name in names:
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            parts[name](i)
+            if rep >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    step = medians["whole training step"]
+    questions = statistics.mean(len(b["labels"]) for b in batches)
+    images = statistics.mean(len(b["pixel_values"]) for b in batches)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.config}; "
+          f"{images:.0f} images / {questions:.0f} questions per batch; medians of {args.repeats} round-robin runs\n")
+    print("| part (forward + backward) | ms per batch | share of the whole step |")
+    print("|:---|---:|---:|")
+    for name, t in medians.items():
+        print(f"| {name} | {t * 1e3:.1f} | {t / step:.0%} |")
+    print(f"\nthroughput: {questions / step:.0f} questions/s, {images / step:.1f} images/s (training, whole step)")
+
+
+if __name__ == "__main__":
+    main()
