@@ -112,10 +112,32 @@ def test_projected_context_is_reusable():
     for seed in range(3):
         x = torch.randn(2, 4 + seed, 32, generator=torch.Generator().manual_seed(seed))
         torch.testing.assert_close(attn(x, kv=kv), attn(x, ctx, context_mask=mask))
-    # Several questions about the same images: take() repeats image rows for each question.
-    index = torch.tensor([0, 0, 1, 1, 1])
-    x = torch.randn(5, 4, 32)
-    torch.testing.assert_close(attn(x, kv=kv.take(index)), attn(x, ctx[index], context_mask=mask[index]))
+
+
+
+@pytest.mark.parametrize("use_sdpa", [True, False])
+def test_shared_contexts_equal_repeated_contexts(use_sdpa):
+    """Several questions about one image: context_index instead of copying the image per question."""
+    attn = make(kv_dim=24)
+    attn.use_sdpa = use_sdpa
+    _, ctx = inputs(b=3, kv_dim=24)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    mask[2] = False  # an image with no attendable token
+    index = torch.tensor([1, 0, 0, 2, 1, 1, 0])  # unsorted, unequal group sizes
+    x = torch.randn(7, 4, 32, requires_grad=True)
+    out, w = attn(x, kv=attn.project_context(ctx, mask), context_index=index, need_weights=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    expected, expected_w = attn(x2, ctx[index], context_mask=mask[index], need_weights=True)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(w, expected_w, atol=ATOL, rtol=0)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="context_index values"):
+        attn(x, ctx, context_index=torch.full((7,), 3))
+    with pytest.raises(ValueError, match="context_index must be"):
+        attn(x, ctx, context_index=index[:3])
 
 
 def test_pruning_removes_exactly_those_heads_contributions():

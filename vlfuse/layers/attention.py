@@ -33,10 +33,41 @@ class ProjectedContext:
     def batch_size(self) -> int:
         return self.key.shape[0]
 
-    def take(self, index: torch.Tensor) -> "ProjectedContext":
-        """Rows ``index`` of the batch, e.g. the image of each question when images are shared."""
-        mask = None if self.mask is None else self.mask[index]
-        return ProjectedContext(self.key[index], self.value[index], mask)
+
+class QueryGroups:
+    """Lays the queries of all rows that share one context row side by side.
+
+    With many questions per image, attention then runs once per image over all its questions'
+    tokens, ``(B, H, Lq, d) -> (Bc, H, n_max * Lq, d)``, instead of copying the image's keys and
+    values once per question. Rows of a group are padded to the largest group (``n_max``);
+    padded queries are zero and are dropped again by :meth:`ungroup`.
+
+    Args:
+        context_index: ``(B,)`` the context row of each query row.
+        num_contexts: ``Bc``, the number of context rows.
+    """
+
+    def __init__(self, context_index: torch.Tensor, num_contexts: int) -> None:
+        counts = torch.bincount(context_index, minlength=num_contexts)
+        order = torch.argsort(context_index, stable=True)
+        first_row = torch.cumsum(counts, 0) - counts  # (Bc,) where each group starts in ``order``
+        slot = torch.empty_like(context_index)
+        slot[order] = torch.arange(len(order), device=order.device) - first_row[context_index[order]]
+        self.index, self.slot = context_index, slot
+        self.num_contexts, self.n_max = num_contexts, int(counts.max()) if len(counts) else 0
+
+    def group(self, t: torch.Tensor) -> torch.Tensor:
+        """``(B, H, L, d) -> (Bc, H, n_max * L, d)``."""
+        _, h, length, d = t.shape
+        grouped = t.new_zeros(self.num_contexts, self.n_max, h, length, d)
+        grouped[self.index, self.slot] = t
+        return grouped.permute(0, 2, 1, 3, 4).reshape(self.num_contexts, h, self.n_max * length, d)
+
+    def ungroup(self, t: torch.Tensor, length: int) -> torch.Tensor:
+        """``(Bc, H, n_max * L, d) -> (B, H, L, d)``."""
+        _, h, _, d = t.shape
+        t = t.view(self.num_contexts, h, self.n_max, length, d).permute(0, 2, 1, 3, 4)  # (Bc, n_max, H, L, d)
+        return t[self.index, self.slot]
 
 
 def attention_core(
@@ -171,17 +202,21 @@ class CrossAttention(nn.Module):
         context_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         kv: ProjectedContext | None = None,
+        context_index: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to ``context``.
 
         Args:
             x: ``(B, Lq, dim)`` queries.
-            context: ``(B, Lk, kv_dim)`` keys/values; omit when ``kv`` is given.
-            context_mask: ``(B, Lk)`` bool, True where a key may be attended. A query whose keys
+            context: ``(Bc, Lk, kv_dim)`` keys/values; omit when ``kv`` is given.
+            context_mask: ``(Bc, Lk)`` bool, True where a key may be attended. A query whose keys
                 are all masked gets a zero output (and zero gradients), never NaN.
             need_weights: also return the per-head attention weights ``(B, H, Lq, Lk)``. Only this
                 call takes the explicit path; other layers keep the fast one.
             kv: keys/values from :meth:`project_context`, instead of ``context``.
+            context_index: ``(B,)`` the context row each row of ``x`` attends to, when several
+                rows share one context (e.g. many questions about one image). Default: row i
+                attends to context row i, and ``Bc`` must equal ``B``.
 
         Returns:
             ``(B, Lq, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
@@ -194,22 +229,24 @@ class CrossAttention(nn.Module):
             kv = self.project_context(context, context_mask)
         elif context_mask is not None:
             raise ValueError("context_mask belongs to project_context when kv is given")
-        if kv.batch_size != x.shape[0]:
-            raise ValueError(f"batch sizes differ: x has {x.shape[0]}, context has {kv.batch_size}")
         if kv.key.shape[1] != self.num_heads:
             raise ValueError(f"kv was projected with {kv.key.shape[1]} heads, this layer has {self.num_heads}")
+        self._check_context_index(context_index, x.shape[0], kv.batch_size)
 
         mask, empty_rows = None, None
         if kv.mask is not None:
-            has_key = kv.mask.any(dim=-1)  # (B,)
+            has_key = kv.mask.any(dim=-1)  # (Bc,)
             # Rows with no key would give softmax over nothing (NaN): let them attend everywhere,
             # then zero their output below so neither the forward nor the backward sees a NaN.
-            mask = (kv.mask | ~has_key[:, None])[:, None, None, :]  # (B, 1, 1, Lk)
-            empty_rows = None if bool(has_key.all()) else ~has_key
+            mask = (kv.mask | ~has_key[:, None])[:, None, None, :]  # (Bc, 1, 1, Lk)
+            if not bool(has_key.all()):
+                empty_rows = ~has_key if context_index is None else ~has_key[context_index]  # (B,)
 
+        b, lq, _ = x.shape
         q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
+        groups = None if context_index is None else QueryGroups(context_index, kv.batch_size)
         out, weights = attention_core(
-            q,
+            q if groups is None else groups.group(q),
             kv.key,
             kv.value,
             mask,
@@ -217,13 +254,29 @@ class CrossAttention(nn.Module):
             use_sdpa=self.use_sdpa,
             need_weights=need_weights,
         )
-        b, _, lq, _ = out.shape
+        if groups is not None:
+            out = groups.ungroup(out, lq)
+            weights = None if weights is None else groups.ungroup(weights, lq)
         out = self.out_proj(out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim))  # (B, Lq, dim)
         if empty_rows is not None:
             out = out.masked_fill(empty_rows[:, None, None], 0.0)
             if weights is not None:
                 weights = weights.masked_fill(empty_rows[:, None, None, None], 0.0)
         return (out, weights) if need_weights else out
+
+    @staticmethod
+    def _check_context_index(context_index: torch.Tensor | None, batch: int, contexts: int) -> None:
+        if context_index is None:
+            if contexts != batch:
+                raise ValueError(f"batch sizes differ: x has {batch}, context has {contexts} (pass context_index?)")
+            return
+        if context_index.shape != (batch,) or context_index.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"context_index must be an integer tensor of shape ({batch},), "
+                f"got {context_index.dtype} {tuple(context_index.shape)}"
+            )
+        if batch and (int(context_index.min()) < 0 or int(context_index.max()) >= contexts):
+            raise ValueError(f"context_index values must be in [0, {contexts}) for {contexts} context rows")
 
     @torch.no_grad()
     def prune_heads(self, heads: Iterable[int]) -> None:

@@ -65,21 +65,25 @@ class FusionBlock(nn.Module):
         text_mask: torch.Tensor | None = None,
         context_mask: torch.Tensor | None = None,
         kv: ProjectedContext | None = None,
+        context_index: torch.Tensor | None = None,
         need_weights: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Fuse ``x`` ``(B, Lt, dim)`` with image tokens.
 
         Args:
-            context: ``(B, Li, kv_dim)`` image tokens, or ``kv`` from ``cross_attn.project_context``.
+            context: ``(Bi, Li, kv_dim)`` image tokens, or ``kv`` from ``cross_attn.project_context``.
             text_mask: ``(B, Lt)`` bool, True for real (non-padding) text tokens.
-            context_mask: ``(B, Li)`` bool, True for image tokens that may be attended.
+            context_mask: ``(Bi, Li)`` bool, True for image tokens that may be attended.
+            context_index: ``(B,)`` the image of each text row when images are shared.
             need_weights: also return the cross-attention weights ``(B, H, Lt, Li)``.
         """
         if self.self_attn is not None:
             h = self.norm_self(x)
             x = x + self.drop(self.self_attn(h, h, context_mask=text_mask))
         h = self.norm_cross(x)
-        attended = self.cross_attn(h, context, context_mask=context_mask, kv=kv, need_weights=need_weights)
+        attended = self.cross_attn(
+            h, context, context_mask=context_mask, kv=kv, context_index=context_index, need_weights=need_weights
+        )
         attended, weights = attended if need_weights else (attended, None)
         x = x + self._gate(self.gate_attn, self.drop(attended))
         x = x + self._gate(self.gate_mlp, self.drop(self.mlp(self.norm_mlp(x))))
@@ -137,13 +141,11 @@ class FusionStack(nn.Module):
             raise ValueError("pass either context (with context_mask) or kvs, not both")
         if len(kvs) != len(self.blocks):
             raise ValueError(f"got keys/values for {len(kvs)} layers, the stack has {len(self.blocks)}")
-        if image_index is not None:
-            kvs = [kv.take(image_index) for kv in kvs]
         wanted = set(weights_from)
         weights: dict[int, torch.Tensor] = {}
         for i, (block, kv) in enumerate(zip(self.blocks, kvs)):
             if i in wanted:
-                x, weights[i] = block(x, text_mask=text_mask, kv=kv, need_weights=True)
+                x, weights[i] = block(x, text_mask=text_mask, kv=kv, context_index=image_index, need_weights=True)
             else:
-                x = block(x, text_mask=text_mask, kv=kv)
+                x = block(x, text_mask=text_mask, kv=kv, context_index=image_index)
         return x, weights
