@@ -12,7 +12,7 @@ from vlfuse.model import VLFuseModel
 from conftest import REPO, SHARED, tiny_cli_args
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-DATA_NEEDS = {"shapes": SHARED / "data" / "shapes"}
+DATA_NEEDS = {"shapes": SHARED / "data" / "shapes", "vqa_v2": REPO / "data" / "vqa_v2"}
 
 
 def needs_data(config: Path):
