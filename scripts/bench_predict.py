@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Pairs per second of vlfuse.predict.Predictor on CPU: batch sizes x image cache on/off.
+
+The workload is easy-VQA test images with several questions each (10 by default), image after
+image, as an application asking many questions about each picture would send them. Each case is a
+whole ``Predictor.predict`` call over the workload, from image files to answers (loading and
+preprocessing included). Cases run round-robin: each repetition runs every case once, starting
+one case later than the previous repetition, so that load from other processes hits all cases
+alike. Speeds come from median times; ratios are medians of the per-repetition ratios, which are
+steadier than ratios of medians on a shared machine.
+
+Without ``--model`` the default architecture of configs/easy_vqa.yaml is built untrained (speed
+does not depend on the weights), with easy-VQA's answers and a tokenizer from its questions.
+
+Example:
+    .venv/bin/python scripts/bench_predict.py
+    .venv/bin/python scripts/bench_predict.py --model runs/easy_vqa/model --batch-sizes 1 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import yaml
+
+from vlfuse.data.easy_vqa import easy_vqa_answers
+from vlfuse.model import VLFuseConfig, VLFuseModel
+from vlfuse.predict import Predictor, PredictWarning
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("Example:")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="saved model directory (default: untrained default architecture)")
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "easy_vqa.yaml",
+                        help="config whose model.architecture to build when --model is not given")
+    parser.add_argument("--images", type=int, default=8, help="distinct images in the workload (default 8)")
+    parser.add_argument("--questions-per-image", type=int, default=10, help="questions per image (default 10)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64], help="Predictor batch sizes (default 1 64)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions of every case (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    return parser.parse_args(argv)
+
+
+def load_model(model_dir: Path | None, config_path: Path) -> VLFuseModel:
+    """A saved model, or the config's architecture untrained with easy-VQA answers and questions."""
+    if model_dir is not None:
+        return VLFuseModel.from_pretrained(model_dir)
+    import easy_vqa
+
+    architecture = VLFuseConfig.from_dict(yaml.safe_load(config_path.read_text())["model"]["architecture"])
+    torch.manual_seed(0)
+    return VLFuseModel.from_config(architecture, easy_vqa_answers(), easy_vqa.get_train_questions()[0])
+
+
+def workload(n_images: int, per_image: int) -> tuple[list[str], list[str]]:
+    """easy-VQA test images with at least ``per_image`` questions: (paths, questions), image after image."""
+    import easy_vqa
+
+    questions, _, image_ids = easy_vqa.get_test_questions()
+    paths = easy_vqa.get_test_image_paths()
+    by_image: dict[int, list[str]] = defaultdict(list)
+    for question, image_id in zip(questions, image_ids):
+        by_image[image_id].append(question)
+    chosen = [i for i in sorted(by_image) if len(by_image[i]) >= per_image][:n_images]
+    if len(chosen) < n_images:
+        raise SystemExit(f"easy-VQA has only {len(chosen)} test images with {per_image} questions")
+    pairs = [(paths[i], q) for i in chosen for q in by_image[i][:per_image]]
+    return [p for p, _ in pairs], [q for _, q in pairs]
+
+
+def run_round_robin(predictors: dict, paths, questions, repeats: int, warmup: int) -> tuple[dict, dict]:
+    """Seconds per ``predict`` call for each case, round-robin; and each case's answers."""
+    cases = list(predictors)
+    samples: dict = {case: [] for case in cases}
+    answers: dict = {}
+    for repetition in range(warmup + repeats):
+        for offset in range(len(cases)):
+            case = cases[(repetition + offset) % len(cases)]
+            start = time.perf_counter()
+            results = predictors[case].predict(paths, questions)
+            elapsed = time.perf_counter() - start
+            answers[case] = [r["answer"] for r in results]
+            if repetition >= warmup:
+                samples[case].append(elapsed)
+    return samples, answers
+
+
+def median_ratio(numerator: list[float], denominator: list[float]) -> float:
+    return statistics.median(n / d for n, d in zip(numerator, denominator))
+
+
+def markdown_table(samples: dict, batch_sizes: list[int], n_pairs: int) -> str:
+    """Rows per (batch size, cache); speed-up of the cache at that batch size and versus batch 1 without cache."""
+    baseline = samples[(batch_sizes[0], False)]
+    lines = [
+        f"| batch size | image cache | pairs/s | ms/pair | cache speed-up | vs batch {batch_sizes[0]}, no cache |",
+        "|---:|:---|---:|---:|---:|---:|",
+    ]
+    for batch_size in batch_sizes:
+        for cache in (True, False):
+            times = samples[(batch_size, cache)]
+            seconds = statistics.median(times)
+            speedup = f"{median_ratio(samples[(batch_size, False)], times):.2f}x" if cache else "1.00x"
+            lines.append(
+                f"| {batch_size} | {'on' if cache else 'off'} | {n_pairs / seconds:.1f} | {1000 * seconds / n_pairs:.2f} "
+                f"| {speedup} | {median_ratio(baseline, times):.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark, print the table; return ``{(batch size, cache): [seconds per call]}``."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, args.config)
+    paths, questions = workload(args.images, args.questions_per_image)
+    predictors = {
+        (batch_size, cache): Predictor(model, batch_size=batch_size, cache_images=cache)
+        for batch_size in args.batch_sizes
+        for cache in (True, False)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PredictWarning)  # a model trained elsewhere may not know easy-VQA's words
+        samples, answers = run_round_robin(predictors, paths, questions, args.repeats, args.warmup)
+    same = len({tuple(a) for a in answers.values()}) == 1
+    config = model.config
+    print(
+        f"Predictor on {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; model: {args.model or 'untrained ' + args.config.name} "
+        f"(image {config.image.image_size}px, {model.image_encoder.grid_size} patches, fusion {config.fusion_depth}x"
+        f"{config.fusion_heads} heads, dim {config.fusion_dim})"
+    )
+    print(
+        f"workload: {args.images} easy-VQA test images x {args.questions_per_image} questions = {len(paths)} pairs; "
+        f"median of {args.repeats} round-robin repetitions (after {args.warmup} warm-up)\n"
+    )
+    print(markdown_table(samples, args.batch_sizes, len(paths)))
+    print(f"\nanswers identical in every case: {'yes' if same else 'NO'}")
+    return samples
+
+
+if __name__ == "__main__":
+    main()
