@@ -43,10 +43,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, help="saved model directory (default: untrained default architecture)")
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "easy_vqa.yaml",
                         help="config whose model.architecture to build when --model is not given")
-    parser.add_argument("--images", type=int, default=8, help="distinct images in the workload (default 8)")
+    parser.add_argument("--images", type=int, default=16, help="distinct images in the workload (default 16)")
     parser.add_argument("--questions-per-image", type=int, default=10, help="questions per image (default 10)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64], help="Predictor batch sizes (default 1 64)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions of every case (default 5)")
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 64], help="Predictor batch sizes (default 1 64)"
+    )
+    parser.add_argument("--repeats", type=int, default=10, help="timed repetitions of every case (default 10)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     return parser.parse_args(argv)
@@ -112,10 +114,9 @@ def markdown_table(samples: dict, batch_sizes: list[int], n_pairs: int) -> str:
             times = samples[(batch_size, cache)]
             seconds = statistics.median(times)
             speedup = f"{median_ratio(samples[(batch_size, False)], times):.2f}x" if cache else "1.00x"
-            lines.append(
-                f"| {batch_size} | {'on' if cache else 'off'} | {n_pairs / seconds:.1f} | {1000 * seconds / n_pairs:.2f} "
-                f"| {speedup} | {median_ratio(baseline, times):.2f}x |"
-            )
+            speed = f"{n_pairs / seconds:.1f} | {1000 * seconds / n_pairs:.2f}"
+            versus = f"{median_ratio(baseline, times):.2f}x"
+            lines.append(f"| {batch_size} | {'on' if cache else 'off'} | {speed} | {speedup} | {versus} |")
     return "\n".join(lines)
 
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = model.config
     print(
         f"Predictor on {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; model: {args.model or 'untrained ' + args.config.name} "
+        f"torch threads: {torch.get_num_threads()}; model: {args.model or 'untrained ' + args.config.name} "
         f"(image {config.image.image_size}px, {model.image_encoder.grid_size} patches, fusion {config.fusion_depth}x"
         f"{config.fusion_heads} heads, dim {config.fusion_dim})"
     )

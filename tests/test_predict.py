@@ -123,6 +123,20 @@ def test_top_k_lists_the_best_answers_in_order(predictor, images):
         predictor.predict([images[0]], [QUESTIONS[0]], top_k=7)
 
 
+def test_misused_arguments_are_refused(predictor, images):
+    with pytest.raises(ValueError, match="must be sequences"):
+        predictor.predict(str(images[0]), "what?")
+    with pytest.raises(ValueError, match="2 images, 1 questions"):
+        predictor.predict(images[:2], QUESTIONS[:1])
+    with pytest.raises(ValueError, match="errors must be one of"):
+        predictor.predict(images[:1], QUESTIONS[:1], errors="ignore")
+    with pytest.raises(ValueError, match="need attention_maps"):
+        predictor.predict(images[:1], QUESTIONS[:1], attention_token=0)
+    with pytest.raises(ValueError, match=r"attention layers \[2\] out of range: the model has fusion layers 0..1"):
+        predictor.predict(images[:1], QUESTIONS[:1], attention_maps="unused", attention_layers=[2])
+    assert predictor.predict([], []) == []
+
+
 # ------------------------------------------------------------------------------- image cache
 @pytest.mark.parametrize("batch_size", [64, 3])
 def test_image_cache_encodes_each_image_once_with_the_same_answers(predictor, images, encoded, batch_size):
@@ -203,7 +217,8 @@ def test_report_policy_answers_every_good_pair_in_order(predictor, images, tmp_p
     assert "image must be a file path" in errors[7]
     assert all("answer" not in results[i] for i in errors)
     good = [0, 2, 6]
-    assert_matches([results[i] for i in good], reference(predictor.model, [sources[i] for i in good], [questions[i] for i in good]))
+    expected = reference(predictor.model, [sources[i] for i in good], [questions[i] for i in good])
+    assert_matches([results[i] for i in good], expected)
 
 
 @pytest.mark.parametrize("case", ["missing", "corrupt", "truncated", "empty question"])
@@ -295,7 +310,8 @@ def test_attention_token_selects_one_position_and_is_checked(predictor, images, 
     tokens = model.tokenize(["what shape is it?"])
     with torch.no_grad():
         out = model(preprocess_image(images[0], 32)[None], **tokens, weights_from=[0])
-    np.testing.assert_allclose(np.load(tmp_path / "row_0.npz")["layer_0"], out.attentions[0][0][:, 5].numpy(), atol=1e-5)
+    saved = np.load(tmp_path / "row_0.npz")["layer_0"]
+    np.testing.assert_allclose(saved, out.attentions[0][0][:, 5].numpy(), atol=1e-5)
     assert "token 5 '?'" in json.loads((tmp_path / "row_0.json").read_text())["query"]
 
     results = predictor.predict([images[0], images[1]], ["what shape is it?", "red?"], errors="report",
@@ -306,7 +322,8 @@ def test_attention_token_selects_one_position_and_is_checked(predictor, images, 
 
 def test_draw_attention_map_labels_pruned_heads(tmp_path):
     weights = torch.rand(14, 1 + 9).softmax(-1)
-    panels = draw_attention_map(np.zeros((24, 24, 3)), weights, (3, 3), 1, tmp_path / "m.png", head_ids=[1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15])
+    kept = [1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # heads 0 and 5 pruned
+    panels = draw_attention_map(np.zeros((24, 24, 3)), weights, (3, 3), 1, tmp_path / "m.png", head_ids=kept)
     assert panels == 15 and (tmp_path / "m.png").stat().st_size > 0
     maps, prefix = split_prefix(weights, (3, 3), 1)
     assert maps.shape == (14, 3, 3)
@@ -318,17 +335,18 @@ def test_draw_attention_map_labels_pruned_heads(tmp_path):
 # ------------------------------------------------------------------------------- the command
 def test_cli_single_pair_prints_answer_probability_and_top_k(predictor, model_dir, images, capsys):
     [expected] = predictor.predict([images[0]], [QUESTIONS[0]], top_k=3)
-    assert vlfuse_main(["predict", "--model", str(model_dir), "--image", str(images[0]), "--question", QUESTIONS[0]]) == 0
-    assert capsys.readouterr().out == f"answer: {expected['answer']} (probability {expected['score']:.4f})\n"
-    args = ["predict", "--model", str(model_dir), "--image", str(images[0]), "--question", QUESTIONS[0], "--top-k", "3"]
+    args = ["predict", "--model", str(model_dir), "--image", str(images[0]), "--question", QUESTIONS[0]]
     assert vlfuse_main(args) == 0
+    assert capsys.readouterr().out == f"answer: {expected['answer']} (probability {expected['score']:.4f})\n"
+    assert vlfuse_main([*args, "--top-k", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "top 3:"
     assert [line.split() for line in lines[2:]] == [[e["answer"], f"{e['score']:.4f}"] for e in expected["top_k"]]
 
 
 def test_cli_single_pair_errors_are_one_line(model_dir, tmp_path, capsys):
-    assert vlfuse_main(["predict", "--model", str(model_dir), "--image", str(tmp_path / "x.png"), "--question", "what?"]) == 2
+    missing = str(tmp_path / "x.png")
+    assert vlfuse_main(["predict", "--model", str(model_dir), "--image", missing, "--question", "what?"]) == 2
     assert capsys.readouterr().err == f"vlfuse: error: image file not found: {tmp_path / 'x.png'}\n"
     assert vlfuse_main(["predict", "--model", str(tmp_path), "--image", "x.png", "--question", "what?"]) == 2
     assert "vlfuse: error: " in capsys.readouterr().err
@@ -338,7 +356,9 @@ def test_cli_single_pair_errors_are_one_line(model_dir, tmp_path, capsys):
     assert "give either --image and --question, or --input and --output" in capsys.readouterr().err
 
 
-def test_cli_batch_reports_bad_rows_and_answers_the_rest_in_order(predictor, model_dir, images, tmp_path, encoded, capsys):
+def test_cli_batch_reports_bad_rows_and_answers_the_rest_in_order(
+    predictor, model_dir, images, tmp_path, encoded, capsys
+):
     bad = bad_images(tmp_path / "bad")
     folder = images[0].parent
     lines = [
@@ -382,7 +402,8 @@ def test_cli_batch_reports_bad_rows_and_answers_the_rest_in_order(predictor, mod
 
 def test_cli_batch_top_k_and_attention_maps(model_dir, images, tmp_path, capsys):
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"image": str(p), "question": QUESTIONS[i]}) + "\n" for i, p in enumerate(images[:2])))
+    lines = [json.dumps({"image": str(path), "question": QUESTIONS[i]}) for i, path in enumerate(images[:2])]
+    pairs.write_text("\n".join(lines) + "\n")
     output, maps = tmp_path / "answers.jsonl", tmp_path / "maps"
     args = ["predict", "--model", str(model_dir), "--input", str(pairs), "--output", str(output), "--top-k", "2",
             "--attention-maps", str(maps), "--attention-layers", "0"]
@@ -392,7 +413,7 @@ def test_cli_batch_top_k_and_attention_maps(model_dir, images, tmp_path, capsys)
     assert sorted(p.name for p in maps.iterdir()) == [
         "line_1.json", "line_1.npz", "line_1_layer0.png", "line_2.json", "line_2.npz", "line_2_layer0.png"]
     assert rows[1]["attention_maps"]["png"] == [str(maps / "line_2_layer0.png")]
-    assert capsys.readouterr().err == f"vlfuse predict: answered 2 rows; wrote {output}\n"
+    assert capsys.readouterr().err == f"vlfuse predict: answered every row (2); wrote {output}\n"
 
 
 # ------------------------------------------------------------------------------- the benchmark
@@ -408,5 +429,6 @@ def test_benchmark_runs_every_case_and_prints_a_table(model_dir, capsys):
     assert all(len(times) == 2 for times in samples.values())
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [line.split("|")[1:3] for line in table] == [[" 1 ", " on "], [" 1 ", " off "], [" 4 ", " on "], [" 4 ", " off "]]
+    cases = [line.split("|")[1:3] for line in table]
+    assert cases == [[" 1 ", " on "], [" 1 ", " off "], [" 4 ", " on "], [" 4 ", " off "]]
     assert "answers identical in every case: yes" in out

@@ -137,10 +137,14 @@ class Predictor:
             or ``error`` (and no answer) for a bad pair with ``errors="report"``.
         """
         names = [f"row {i}" for i in range(len(questions))] if names is None else list(names)
-        layers = self._check_arguments(images, questions, names, top_k, errors, attention_maps, attention_layers)
-        pairs = self._prepare(images, questions, names, attention_token if attention_maps is not None else None)
+        layers = self._check_arguments(
+            images, questions, names, top_k, errors, attention_maps, attention_layers, attention_token
+        )
+        pairs = self._prepare(images, questions, names, attention_token)
         self._raise_or_warn(pairs, raise_errors=errors == "raise")
-        writer = None if attention_maps is None else _AttentionWriter(self.model, attention_maps, layers, attention_token)
+        writer = None
+        if attention_maps is not None:
+            writer = _AttentionWriter(self.model, attention_maps, layers, attention_token)
         results: dict[int, dict] = {}
         batches, last_batch = self._plan(pairs)
         encoded: dict[Hashable, _EncodedImage] = {}
@@ -156,8 +160,12 @@ class Predictor:
         return [self._finish(pair, results.get(i)) for i, pair in enumerate(pairs)]
 
     # ------------------------------------------------------------------------ checking the input
-    def _check_arguments(self, images, questions, names, top_k, errors, attention_maps, attention_layers) -> list[int]:
+    def _check_arguments(
+        self, images, questions, names, top_k, errors, attention_maps, attention_layers, attention_token
+    ) -> list[int]:
         """Validate the call (not the pairs); return the fusion layers to draw."""
+        if isinstance(questions, str) or isinstance(images, (str, os.PathLike, Image.Image)):
+            raise ValueError("images and questions must be sequences (one image per question), not a single item")
         if len(images) != len(questions) or len(names) != len(questions):
             raise ValueError(
                 f"need one image and one name per question: {len(images)} images, {len(questions)} questions, "
@@ -169,8 +177,8 @@ class Predictor:
             raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
         depth = len(self.model.fusion)
         if attention_maps is None:
-            if attention_layers is not None:
-                raise ValueError("attention_layers needs attention_maps (the directory to write them to)")
+            if attention_layers is not None or attention_token is not None:
+                raise ValueError("attention_layers and attention_token need attention_maps (the directory to write to)")
             return []
         layers = list(range(depth)) if attention_layers is None else sorted(set(attention_layers))
         bad = [layer for layer in layers if not 0 <= layer < depth]
@@ -221,7 +229,9 @@ class Predictor:
             if len(ids) > limit:
                 pair.warnings.append(f"question has {len(ids)} tokens; the model reads the first {limit}")
             if attention_token is not None and not 0 <= attention_token < pair.num_tokens:
-                pair.error = f"attention_token {attention_token} is not a position of this question ({pair.num_tokens} tokens)"
+                pair.error = (
+                    f"attention_token {attention_token} is not a position of this question ({pair.num_tokens} tokens)"
+                )
 
     @staticmethod
     def _raise_or_warn(pairs: list[_Pair], raise_errors: bool) -> None:
@@ -246,7 +256,11 @@ class Predictor:
         return batches, last_batch
 
     def _encode_new_images(
-        self, pairs: list[_Pair], encoded: dict[Hashable, _EncodedImage], failed: dict[Hashable, str], raise_errors: bool
+        self,
+        pairs: list[_Pair],
+        encoded: dict[Hashable, _EncodedImage],
+        failed: dict[Hashable, str],
+        raise_errors: bool,
     ) -> None:
         """Preprocess and encode, in one call, the images of ``pairs`` not encoded yet; mark unreadable ones."""
         new: dict[Hashable, torch.Tensor] = {}
@@ -267,10 +281,16 @@ class Predictor:
         pixels = torch.stack(list(new.values())).to(self.device)  # (Bi, 3, S, S)
         kvs = self.model.encode_images(pixels)  # per layer: (Bi, H, Li, hd)
         for i, key in enumerate(new):
-            encoded[key] = _EncodedImage(pixels[i], [ProjectedContext(kv.key[i : i + 1], kv.value[i : i + 1]) for kv in kvs])
+            own = [ProjectedContext(kv.key[i : i + 1], kv.value[i : i + 1]) for kv in kvs]  # (1, H, Li, hd) views
+            encoded[key] = _EncodedImage(pixels[i], own)
 
     def _answer(
-        self, rows: list[int], pairs: list[_Pair], encoded: dict[Hashable, _EncodedImage], top_k: int, writer: _AttentionWriter | None
+        self,
+        rows: list[int],
+        pairs: list[_Pair],
+        encoded: dict[Hashable, _EncodedImage],
+        top_k: int,
+        writer: _AttentionWriter | None,
     ) -> dict[int, dict]:
         """One forward pass over the readable pairs of a batch: ``{row: result}``."""
         rows = [r for r in rows if pairs[r].error is None]
@@ -297,7 +317,8 @@ class Predictor:
             if writer is not None:
                 weights = {layer: w[j] for layer, w in out.attentions.items()}  # (H, Lt, Li) each
                 pixels = encoded[pairs[row].key].pixels
-                result["attention_maps"] = writer.write(pairs[row], pixels, weights, out.text_mask[j], input_ids[j], result)
+                mask, ids = out.text_mask[j], input_ids[j]
+                result["attention_maps"] = writer.write(pairs[row], pixels, weights, mask, ids, result)
             results[row] = result
         return results
 
@@ -318,10 +339,10 @@ class Predictor:
 
 def _stack_kvs(per_image: list[list[ProjectedContext]]) -> list[ProjectedContext]:
     """Per-image keys/values (batch 1 each) -> one :class:`ProjectedContext` per layer, ``(Bi, H, Li, hd)``."""
-    return [
-        ProjectedContext(torch.cat([image[layer].key for image in per_image]), torch.cat([image[layer].value for image in per_image]))
-        for layer in range(len(per_image[0]))
-    ]
+    layers = range(len(per_image[0]))
+    keys = [torch.cat([image[layer].key for image in per_image]) for layer in layers]
+    values = [torch.cat([image[layer].value for image in per_image]) for layer in layers]
+    return [ProjectedContext(key, value) for key, value in zip(keys, values)]
 
 
 class _AttentionWriter:
@@ -370,8 +391,9 @@ class _AttentionWriter:
             }
             pngs.append(str(png))
         np.savez(self.directory / f"{stem}.npz", **arrays)
+        is_path = isinstance(pair.image, (str, os.PathLike))
         sidecar = {
-            "image": os.fspath(pair.image) if isinstance(pair.image, (str, os.PathLike)) else f"<{type(pair.image).__name__}>",
+            "image": os.fspath(pair.image) if is_path else f"<{type(pair.image).__name__}>",
             "question": pair.question,
             "answer": result["answer"],
             "score": result["score"],
@@ -381,8 +403,9 @@ class _AttentionWriter:
             "weights": f"{stem}.npz: layer_L (heads, prefix + patch tokens), each row sums to 1",
             "layers": layers,
         }
-        (self.directory / f"{stem}.json").write_text(json.dumps(sidecar, indent=1) + "\n")
-        return {"png": pngs, "weights": str(self.directory / f"{stem}.npz"), "json": str(self.directory / f"{stem}.json")}
+        sidecar_path = self.directory / f"{stem}.json"
+        sidecar_path.write_text(json.dumps(sidecar, indent=1) + "\n")
+        return {"png": pngs, "weights": str(self.directory / f"{stem}.npz"), "json": str(sidecar_path)}
 
 
 # ---------------------------------------------------------------------------------- vlfuse predict
@@ -426,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vlfuse predict",
         description="Answer questions about images with a saved vlfuse model.",
-        epilog="examples:\n  vlfuse predict --model runs/easy_vqa/model --image shape.png --question 'what shape is it?'\n"
+        epilog="examples:\n"
+        "  vlfuse predict --model runs/easy_vqa/model --image shape.png --question 'what shape is it?'\n"
         "  vlfuse predict --model runs/easy_vqa/model --input pairs.jsonl --output answers.jsonl --top-k 3",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -443,7 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     maps = parser.add_argument_group("attention maps")
     maps.add_argument("--attention-maps", type=Path, metavar="OUT_DIR", help="write attention maps of every pair here")
-    maps.add_argument("--attention-layers", type=int, nargs="+", metavar="L", help="fusion layers to draw (default all)")
+    maps.add_argument(
+        "--attention-layers", type=int, nargs="+", metavar="L", help="fusion layers to draw (default all)"
+    )
     maps.add_argument("--attention-token", type=int, metavar="T",
                       help="draw the question token at position T (default: the pooled question)")
     return parser
@@ -519,7 +545,8 @@ def _predict_file(predictor: Predictor, source: Path, target: Path, options: dic
             out.write(json.dumps({"line": row.line, **row.fields, **result}) + "\n")
     if failed:
         shown = ", ".join(map(str, failed[:20])) + (", ..." if len(failed) > 20 else "")
-        print(f"vlfuse predict: {len(failed)} of {len(rows)} rows failed (lines {shown}); see 'error' in {target}", file=sys.stderr)
+        summary = f"{len(failed)} of {len(rows)} rows failed (lines {shown}); see 'error' in {target}"
+        print(f"vlfuse predict: {summary}", file=sys.stderr)
         return 1
-    print(f"vlfuse predict: answered {len(rows)} rows; wrote {target}", file=sys.stderr)
+    print(f"vlfuse predict: answered every row ({len(rows)}); wrote {target}", file=sys.stderr)
     return 0

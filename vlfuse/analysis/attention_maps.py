@@ -93,7 +93,8 @@ def draw_attention_map(
     for i, (label, patch_map, prefix) in enumerate(zip(labels, maps, prefix_mass)):
         ax = figure.add_subplot(rows, cols, i + 1)
         ax.imshow(image, extent=extent)
-        ax.imshow(patch_map.numpy(), cmap="inferno", alpha=0.6, vmin=0.0, vmax=vmax, extent=extent, interpolation="nearest")
+        heat = dict(cmap="inferno", alpha=0.6, vmin=0.0, vmax=vmax, interpolation="nearest")
+        ax.imshow(patch_map.numpy(), extent=extent, **heat)
         ax.set_title(f"{label}\nprefix tokens {float(prefix):.0%}", fontsize=7)
         ax.set_axis_off()
     figure.suptitle(f"{title}\ncolour: attention to each patch (one scale, max {vmax:.3f})", fontsize=8)
