@@ -31,7 +31,7 @@ def load_image(source: ImageSource) -> Image.Image:
         with Image.open(path) as img:
             img.load()
             return to_rgb(ImageOps.exif_transpose(img) or img)
-    except (OSError, SyntaxError, ValueError) as err:
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise ImageLoadError(f"cannot read image {path}: {err}") from err
 
 
