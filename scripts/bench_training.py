@@ -57,7 +57,7 @@ def image_part(model, batch) -> None:
 
 
 def text_part(model, batch) -> None:
-    states = model.text_encoder(batch["input_ids"], batch["attention_mask"])
+    states = model.encode_questions(batch["input_ids"], batch["attention_mask"])
     states.backward(torch.ones_like(states))
 
 
@@ -85,9 +85,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with torch.no_grad():
         cached = [
-            (model.image_encoder(b["pixel_values"]), model.text_encoder(b["input_ids"], b["attention_mask"]))
+            (model.image_encoder(b["pixel_values"]), model.encode_questions(b["input_ids"], b["attention_mask"]))
             for b in batches
         ]
+    # Each part on its own; the text encoder sees each distinct question of a batch once, as in training.
     parts = {
         "whole training step": lambda i: train_step(model, optimizer, batches[i]),
         "image encoder": lambda i: image_part(model, batches[i]),
