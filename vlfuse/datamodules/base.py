@@ -58,7 +58,8 @@ class VQADataModule(L.LightningDataModule):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
         if split not in self._records:
-            records = self.load_records(split)
+            # The training split is loaded once, for the vocabulary and for training alike.
+            records = self._all_train_records if split == "train" else self.load_records(split)
             self._records[split] = records[: self.limit_images] if self.limit_images else records
         return self._records[split]
 
