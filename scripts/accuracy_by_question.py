@@ -1,0 +1,58 @@
+"""Accuracy of a saved model on the easy-VQA test split, by kind of question.
+
+Kinds: "what color ...?" / "what is the color of ...?", "what is the blue shape?" / "what shape
+...?", and the yes/no questions,
+split by whether they ask about a colour or a shape and whether they are negated ("not", "no").
+
+    .venv/bin/python scripts/accuracy_by_question.py --model runs/easy_vqa/lightning_logs/version_0/model
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+import torch
+
+from vlfuse.datamodules import EasyVQADataModule
+from vlfuse.model import VLFuseModel
+
+SHAPE_WORDS = ("circle", "rectangle", "triangle")
+
+
+def question_kind(question: str) -> str:
+    """The kind of an easy-VQA question (see the module docstring)."""
+    words = question.rstrip("?").split()
+    if words[0] == "what":
+        return "what colour" if "color" in words else "what shape"
+    subject = "shape" if any(w in SHAPE_WORDS for w in words) else "colour"
+    negated = " negated" if "not" in words or "no" in words else ""
+    return f"yes/no {subject}{negated}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a directory written by save_pretrained")
+    parser.add_argument("--limit-images", type=int, default=None, help="only the first N test images")
+    args = parser.parse_args()
+
+    model = VLFuseModel.from_pretrained(args.model).eval()
+    data = EasyVQADataModule(image_size=model.config.image.image_size, batch_size=64, limit_images=args.limit_images)
+    correct, total = Counter(), Counter()
+    with torch.inference_mode():
+        for batch in data.test_dataloader():
+            tokens = model.tokenize(batch["questions"])
+            predicted = model(batch["pixel_values"], **tokens, image_index=batch["image_index"]).logits.argmax(-1)
+            for question, guess, label in zip(batch["questions"], predicted.tolist(), batch["labels"].tolist()):
+                kind = question_kind(question)
+                total[kind] += 1
+                correct[kind] += guess == label
+    print("| question kind | questions | accuracy |")
+    print("|:---|---:|---:|")
+    for kind in sorted(total):
+        print(f"| {kind} | {total[kind]} | {correct[kind] / total[kind]:.1%} |")
+    print(f"| all | {sum(total.values())} | {sum(correct.values()) / sum(total.values()):.2%} |")
+
+
+if __name__ == "__main__":
+    main()
