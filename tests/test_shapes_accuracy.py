@@ -1,0 +1,28 @@
+"""scripts/shapes_accuracy.py reports val accuracy by depth for a saved model."""
+
+import subprocess
+import sys
+
+import pytest
+
+from vlfuse.datamodules import ShapesDataModule
+from vlfuse.model import VLFuseModel
+
+from conftest import REPO, SHARED, tiny_config
+
+SHAPES = SHARED / "data" / "shapes"
+
+
+@pytest.mark.skipif(not SHAPES.exists(), reason=f"needs the released SHAPES files in {SHAPES}")
+def test_reports_every_depth_and_all_val_questions(tmp_path):
+    data = ShapesDataModule(data_dir=str(SHAPES), limit_images=64)
+    VLFuseModel.from_config(tiny_config(), data.answers, data.train_questions).save_pretrained(tmp_path / "m")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "shapes_accuracy.py"), "--model", str(tmp_path / "m"),
+         "--data-dir", str(SHAPES)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["0", "1", "2", "all"]
+    assert "| all | 1024 |" in result.stdout
