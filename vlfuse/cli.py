@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LightningCLI
 from vlfuse.datamodules import VQADataModule
 from vlfuse.lit import ExportBestModel, VLFuseLitModule
 from vlfuse.predict import main as predict_main
+from vlfuse.prune import main as prune_main
 
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
 
@@ -55,7 +56,7 @@ def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
 
 
 # Subcommands implemented by vlfuse itself rather than by LightningCLI: name -> main(argv).
-TOOLS: dict[str, Callable[[list[str]], int | None]] = {"predict": predict_main}
+TOOLS: dict[str, Callable[[list[str]], int | None]] = {"predict": predict_main, "prune": prune_main}
 
 
 def main(argv: list[str] | None = None) -> int:

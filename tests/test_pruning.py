@@ -1,0 +1,211 @@
+"""Which heads go, the pruned copy and what it saves, and the ``vlfuse prune`` command end to end."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlfuse.analysis.head_scores import ablation_scores, evaluate, gradient_scores, weight_norm_scores
+from vlfuse.analysis.pruning import (
+    Latency,
+    count_parameters,
+    heads_per_layer,
+    heads_to_prune,
+    measure_latency,
+    prune_model,
+    take_questions,
+)
+from vlfuse.cli import main as vlfuse_main
+from vlfuse.cli import run_lightning
+from vlfuse.data import IGNORE_INDEX, preprocess_image
+from vlfuse.model import VLFuseModel
+from vlfuse.predict import Predictor
+from vlfuse.prune import CHECKPOINT_FILE, build_datamodule, read_config, split_batches
+
+from conftest import REPO, tiny_cli_args
+from test_head_scores import ANSWERS, HEADS, batches, logits, model, one_thread  # noqa: F401 (fixtures)
+
+NAN = float("nan")
+SCORES = torch.tensor([[0.5, 0.1, 0.9, 0.3], [0.2, 0.8, 0.05, 0.7]])
+EASY_VQA = REPO / "configs" / "easy_vqa.yaml"
+
+
+# ------------------------------------------------------------------------------ which heads go
+@pytest.mark.parametrize(
+    "fraction, expected",
+    [
+        (0.0, {}),
+        (0.25, {0: [1], 1: [2]}),  # 0.05 and 0.1
+        (0.5, {0: [1, 3], 1: [0, 2]}),  # then 0.2 and 0.3
+        (0.3, {0: [1], 1: [2]}),  # 2.4 heads: 2
+        (0.3125, {0: [1], 1: [0, 2]}),  # 2.5 heads: rounded up to 3
+        (0.75, {0: [0, 1, 3], 1: [0, 2, 3]}),  # 6 of 8: the most that can go
+    ],
+)
+def test_a_fraction_prunes_the_lowest_scored_heads_over_all_layers(fraction, expected):
+    assert heads_to_prune(SCORES, fraction=fraction) == expected
+
+
+def test_a_layer_keeps_its_last_head_and_the_next_lowest_goes_instead():
+    scores = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.9, 0.8, 0.7, 0.6]])
+    assert heads_to_prune(scores, fraction=0.5) == {0: [0, 1, 2], 1: [3]}
+    assert heads_to_prune(scores, threshold=0.5) == {0: [0, 1, 2]}  # layer 0 keeps its best head
+    assert heads_to_prune(scores, threshold=1.0) == {0: [0, 1, 2], 1: [1, 2, 3]}
+
+
+def test_a_threshold_prunes_every_head_scoring_at_most_tau():
+    assert heads_to_prune(SCORES, threshold=0.3) == {0: [1, 3], 1: [0, 2]}
+    assert heads_to_prune(SCORES, threshold=0.01) == {}
+
+
+def test_removed_heads_and_ties():
+    scores = torch.tensor([[NAN, 0.1, NAN, 0.3], [0.2, 0.2, 0.2, 0.7]])  # 6 heads present
+    assert heads_to_prune(scores, fraction=0.5) == {0: [1], 1: [0, 1]}  # ties by (layer, head)
+    with pytest.raises(ValueError, match="pruning 5 of 6 heads, but at most 4 can go"):
+        heads_to_prune(scores, fraction=0.8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "exactly one of fraction or threshold"),
+        ({"fraction": 0.5, "threshold": 0.1}, "exactly one of fraction or threshold"),
+        ({"fraction": 1.0}, r"fraction must be in \[0, 1\), got 1.0"),
+        ({"fraction": -0.1}, r"fraction must be in \[0, 1\), got -0.1"),
+        ({"fraction": 0.875}, "pruning 7 of 8 heads, but at most 6 can go"),
+    ],
+)
+def test_bad_rules_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        heads_to_prune(SCORES, **kwargs)
+    with pytest.raises(ValueError, match="must be \\(layers, heads\\)"):
+        heads_to_prune(SCORES[0], fraction=0.5)
+
+
+@pytest.mark.parametrize("score", ["weight_norm", "gradient", "ablation"])
+def test_pruning_by_each_score_removes_its_lowest_heads(model, batches, score):  # noqa: F811
+    scores = {
+        "weight_norm": lambda: weight_norm_scores(model),
+        "gradient": lambda: gradient_scores(model, batches),
+        "ablation": lambda: ablation_scores(model, batches),
+    }[score]()
+    pruned = prune_model(model, heads_to_prune(scores, fraction=0.25))
+    lowest = torch.argsort(scores.flatten(), stable=True)[:8]  # 8 of 32; ties in (layer, head) order
+    expected = {(int(i) // 16, int(i) % 16) for i in lowest}
+    removed = {(layer, h) for layer, block in enumerate(pruned.fusion.blocks) for h in block.cross_attn.pruned_heads}
+    assert removed == expected
+    assert sum(heads_per_layer(pruned)) == 24 and heads_per_layer(model) == [16, 16]
+
+
+# ------------------------------------------------------------------------- the pruned model
+def test_prune_model_copies_and_counts_the_removed_weights(model):  # noqa: F811
+    pruned = prune_model(model, HEADS)
+    assert heads_per_layer(pruned) == [13, 12] and heads_per_layer(model) == [16, 16]
+    assert pruned.config.pruned_heads == {"0": [1, 5, 9], "1": [0, 2, 3, 15]}
+    assert model.config.pruned_heads == {}
+    # Per head (head_dim 2, dim = kv_dim = 32): q rows + bias, k and v rows + biases, out-projection columns.
+    per_head = (32 * 2 + 2) + 2 * (32 * 2 + 2) + 32 * 2
+    assert count_parameters(model) - count_parameters(pruned) == 7 * per_head
+
+
+def test_a_pruned_model_saves_loads_and_predicts(model, tmp_path):  # noqa: F811
+    pruned = prune_model(model, HEADS)
+    directory = pruned.save_pretrained(tmp_path / "pruned")
+    loaded = VLFuseModel.from_pretrained(directory)
+    assert heads_per_layer(loaded) == [13, 12]
+    head_ids = [block.cross_attn.head_ids for block in pruned.fusion.blocks]
+    assert [block.cross_attn.head_ids for block in loaded.fusion.blocks] == head_ids
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (40, 30, 3), dtype=np.uint8) for _ in range(3)]
+    questions = ["what color is the shape?", "is there a red shape?", "what shape is it?"]
+    results = Predictor.from_pretrained(directory).predict(images, questions)
+    pixels = torch.stack([preprocess_image(image, 32) for image in images])
+    with torch.no_grad():
+        probs = pruned(pixels, **pruned.tokenize(questions)).logits.softmax(-1)
+    assert [r["answer"] for r in results] == [ANSWERS[i] for i in probs.argmax(-1)]
+    torch.testing.assert_close(torch.tensor([r["score"] for r in results]), probs.max(-1).values, atol=1e-5, rtol=0)
+
+
+def test_take_questions_keeps_only_the_images_asked_about(batches):  # noqa: F811
+    batch = take_questions(batches, 9)  # batch 0 has 1+2+3 questions about 3 images; then 3 of batch 1's first image
+    assert batch["questions"] == batches[0]["questions"] + batches[1]["questions"][:3]
+    assert batch["image_index"].tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3]
+    torch.testing.assert_close(batch["pixel_values"][3], batches[1]["pixel_values"][0])
+    assert len(take_questions(batches, 100)["questions"]) == 13
+
+
+def test_measure_latency_times_every_model(model, batches):  # noqa: F811
+    pruned = prune_model(model, HEADS)
+    latency = measure_latency({"before": model, "after": pruned}, take_questions(batches, 8), repeats=2, warmup=1)
+    assert set(latency) == {"before", "after"}
+    assert all(isinstance(t, Latency) and t.fusion > 0 and t.model > 0 for t in latency.values())
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        measure_latency({"before": model}, batches[0], repeats=0)
+
+
+# ---------------------------------------------------------------------------- vlfuse prune
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model exported by ``vlfuse fit`` (one fusion layer of 16 heads) on 8 easy-VQA images."""
+    root = tmp_path_factory.mktemp("fit")
+    run_lightning(["fit", "--config", str(EASY_VQA), *tiny_cli_args(root), "--trainer.fast_dev_run=true"])
+    return root
+
+
+def test_vlfuse_prune_end_to_end(trained, tmp_path, capsys):
+    out = tmp_path / "pruned"
+    code = vlfuse_main([
+        "prune", "--model", str(trained / "model"), "--config", str(EASY_VQA), "--score", "gradient",
+        "--fraction", "0.5", "--finetune-epochs", "1", "--limit-images", "8", "--eval-split", "test",
+        "--latency-repeats", "2", "--out", str(out),
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for row in ("| heads per layer | 16 | 8 | 8 pruned |", "test accuracy, pruned", "then fine-tuned 1 epoch",
+                "parameters, fusion stack", "latency, fusion stack (64 questions", "latency, whole model"):
+        assert row in printed
+    model = VLFuseModel.from_pretrained(out)
+    assert heads_per_layer(model) == [8]
+    original = VLFuseModel.from_pretrained(trained / "model")
+    assert not torch.equal(model.head[2].weight, original.head[2].weight)  # fine-tuned
+    [answer] = Predictor.from_pretrained(out).predict([np.zeros((64, 64, 3), np.uint8)], ["what color is the shape?"])
+    assert answer["answer"] in model.answers
+
+    # vlfuse test runs the saved weights through the checkpoint and the printed override.
+    datamodule = build_datamodule(read_config(EASY_VQA), EASY_VQA, limit_images=8, image_size=32)
+    test_batches = split_batches(datamodule, "test", None)
+    expected_accuracy = evaluate(model, test_batches)
+    with torch.no_grad():
+        labels = torch.cat([b["labels"] for b in test_batches])
+        all_logits = torch.cat([logits(model, b) for b in test_batches])
+    expected_loss = F.cross_entropy(all_logits, labels, ignore_index=IGNORE_INDEX)
+    override = f"--model.architecture.pruned_heads={json.dumps(model.config.pruned_heads)}"
+    assert override.replace(" ", "") in printed.replace("'", "")
+    cli = run_lightning([
+        "test", "--config", str(EASY_VQA), *tiny_cli_args(tmp_path / "test"), override,
+        "--ckpt_path", str(out / CHECKPOINT_FILE),
+    ])
+    metrics = cli.trainer.callback_metrics
+    assert abs(float(metrics["test/acc"]) - expected_accuracy) < 1e-6
+    assert abs(float(metrics["test/loss"]) - float(expected_loss)) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--threshold", "-1"], "nothing to prune: no weight_norm score is at most -1.0"),
+        (["--fraction", "0.99"], "pruning 16 of 16 heads, but at most 15 can go"),
+        (["--fraction", "0.5", "--out", "SAME"], "--out must differ from --model"),
+    ],
+)
+def test_vlfuse_prune_errors_are_one_line(trained, tmp_path, capsys, extra, message):
+    out = str(trained / "model") if "SAME" in extra else str(tmp_path / "out")
+    extra = [out if e == "SAME" else e for e in extra]
+    args = ["prune", "--model", str(trained / "model"), "--config", str(EASY_VQA), "--score", "weight_norm",
+            "--limit-images", "4", "--out", str(tmp_path / "out"), *extra]
+    assert vlfuse_main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -1,0 +1,290 @@
+"""``vlfuse prune``: score the fusion heads, remove the lowest for real, optionally fine-tune, save.
+
+    vlfuse prune --model runs/easy_vqa/model --config configs/easy_vqa.yaml --score gradient \\
+        --fraction 0.5 --finetune-epochs 1 --out runs/easy_vqa/pruned
+
+Prints, side by side from one run: heads per layer, accuracy before and after, parameter counts
+and the CPU latency of the fusion stack and of the whole model before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import yaml
+from torchmetrics.classification import MulticlassAccuracy
+
+from vlfuse.analysis.head_scores import ablation_scores, evaluate, gradient_scores, weight_norm_scores
+from vlfuse.analysis.pruning import (
+    count_parameters,
+    heads_per_layer,
+    heads_to_prune,
+    measure_latency,
+    prune_model,
+    speedup,
+    take_questions,
+)
+from vlfuse.data import IGNORE_INDEX
+from vlfuse.datamodules import VQADataModule
+from vlfuse.datamodules.base import SPLITS
+from vlfuse.lit import VLFuseLitModule
+from vlfuse.model import VLFuseModel
+
+SCORES = ("weight_norm", "gradient", "ablation")
+CHECKPOINT_FILE = "lightning.ckpt"
+"""A Lightning checkpoint of the pruned model, written next to it, for ``vlfuse test --ckpt_path``."""
+
+
+# ------------------------------------------------------------------------------------- data
+def read_config(path: Path) -> dict:
+    """The YAML config of a ``vlfuse fit`` run, as a dict."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    config = yaml.safe_load(path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a YAML mapping")
+    return config
+
+
+def build_datamodule(config: dict, config_path: Path, **overrides) -> VQADataModule:
+    """The ``data:`` section's datamodule (``class_path`` and ``init_args``), with ``overrides`` applied."""
+    data = config.get("data")
+    if not isinstance(data, dict) or "class_path" not in data:
+        raise ValueError(f"{config_path} has no 'data:' section with a class_path")
+    module_name, _, class_name = data["class_path"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"{config_path}: data.class_path {data['class_path']!r} cannot be imported ({err})") from err
+    if not (isinstance(cls, type) and issubclass(cls, VQADataModule)):
+        raise ValueError(f"{config_path}: data.class_path {data['class_path']!r} is not a VQADataModule")
+    init_args = {**data.get("init_args", {}), **{k: v for k, v in overrides.items() if v is not None}}
+    try:
+        return cls(**init_args)
+    except TypeError as err:
+        raise ValueError(f"{config_path}: bad data.init_args for {class_name}: {err}") from err
+
+
+def split_batches(datamodule: VQADataModule, split: str, max_batches: int | None) -> list[dict]:
+    """The first ``max_batches`` batches (all when ``None``) of ``split``, in the loader's order."""
+    batches = []
+    for batch in getattr(datamodule, f"{split}_dataloader")():
+        if max_batches is not None and len(batches) == max_batches:
+            break
+        batches.append(batch)
+    if not batches:
+        raise ValueError(f"the {split} split is empty")
+    return batches
+
+
+# ------------------------------------------------------------------------------ fine-tuning
+def lit_module_for(model: VLFuseModel, config: dict, config_path: Path, lr: float | None) -> VLFuseLitModule:
+    """A :class:`VLFuseLitModule` that trains ``model`` itself, with the config's ``model:`` options.
+
+    ``lr`` replaces the config's ``model.lr`` (default: a tenth of it, as the model is trained).
+    """
+    options = {k: v for k, v in (config.get("model") or {}).items() if k != "architecture"}
+    try:
+        lit = VLFuseLitModule(architecture=model.config, **options)
+    except TypeError as err:
+        raise ValueError(f"{config_path}: bad model options {sorted(options)}: {err}") from err
+    lit.hparams.lr = lr if lr is not None else lit.hparams.lr / 10  # configure_optimizers reads it
+    # Set what VLFuseLitModule.build_model would, around the given model (setup then keeps it).
+    lit.model = model
+    n = len(model.answers)
+    lit.train_acc, lit.val_acc, lit.test_acc = (
+        MulticlassAccuracy(n, average="micro", ignore_index=IGNORE_INDEX) for _ in range(3)
+    )
+    return lit
+
+
+def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, accelerator: str, root: Path) -> None:
+    """Train ``lit.model`` for ``epochs`` epochs on the training split (no validation, no checkpoints)."""
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator=accelerator,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=sys.stderr.isatty(),
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+    lit.model.train()  # from_pretrained models come in eval mode, which Lightning keeps
+    trainer.fit(lit, datamodule=datamodule)
+    lit.model.cpu().eval()
+
+
+def write_lightning_checkpoint(model: VLFuseModel, path: Path) -> Path:
+    """The weights as a Lightning checkpoint of :class:`VLFuseLitModule` (plain types only)."""
+    state = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save({"state_dict": state, "pytorch-lightning_version": L.__version__, "vlfuse_answers": model.answers}, path)
+    return path
+
+
+# ------------------------------------------------------------------------------------ report
+def score_heads(model: VLFuseModel, score: str, batches: list[dict]) -> torch.Tensor:
+    """The ``(L, H0)`` scores named ``score`` (one of :data:`SCORES`); weight norms are per layer."""
+    if score == "weight_norm":
+        return weight_norm_scores(model)
+    if score == "gradient":
+        return gradient_scores(model, batches)
+    if score == "ablation":
+        return ablation_scores(model, batches)
+    raise ValueError(f"unknown score {score!r}; expected one of {SCORES}")
+
+
+def format_report(rows: list[tuple[str, str, str, str]]) -> str:
+    """A markdown table ``| | before | after | change |``."""
+    lines = ["| | before | after | change |", "|:---|---:|---:|---:|"]
+    lines += [f"| {name} | {before} | {after} | {change} |" for name, before, after, change in rows]
+    return "\n".join(lines)
+
+
+def size_rows(model: VLFuseModel, pruned: VLFuseModel) -> list[tuple[str, str, str, str]]:
+    """Heads per layer and parameter counts, before and after."""
+    removed = sum(heads_per_layer(model)) - sum(heads_per_layer(pruned))
+    rows = [("heads per layer", ", ".join(map(str, heads_per_layer(model))),
+             ", ".join(map(str, heads_per_layer(pruned))), f"{removed} pruned")]
+    for name, before, after in (
+        ("whole model", count_parameters(model), count_parameters(pruned)),
+        ("fusion stack", count_parameters(model.fusion), count_parameters(pruned.fusion)),
+    ):
+        rows.append((f"parameters, {name}", f"{before:,}", f"{after:,}", f"x{after / before:.3f}"))
+    return rows
+
+
+def accuracy_rows(split: str, questions: int, accuracies: dict[str, float]) -> list[tuple[str, str, str, str]]:
+    """``accuracies``: ``before``, then one entry per later stage (``pruned``, ``then fine-tuned ...``)."""
+    before = accuracies["before"]
+    return [
+        (f"{split} accuracy, {stage} ({questions} questions)", f"{before:.2%}", f"{after:.2%}",
+         f"{(after - before) * 100:+.2f} points")
+        for stage, after in accuracies.items()
+        if stage != "before"
+    ]
+
+
+def latency_rows(model: VLFuseModel, pruned: VLFuseModel, batch: dict, repeats: int) -> list[tuple[str, str, str, str]]:
+    """CPU latency of the fusion stack and of the whole model, before and after, measured side by side."""
+    latency = measure_latency({"before": model, "after": pruned}, batch, repeats=repeats)
+    before, after = latency["before"], latency["after"]
+    where = f"{len(batch['questions'])} questions, {len(batch['pixel_values'])} images"
+    where += f", {torch.get_num_threads()} threads"
+    fusion_speedup, model_speedup = speedup(before, after)
+    return [
+        (f"latency, fusion stack ({where})", f"{before.fusion * 1e3:.2f} ms", f"{after.fusion * 1e3:.2f} ms",
+         f"{fusion_speedup:.2f}x faster"),
+        (f"latency, whole model ({where})", f"{before.model * 1e3:.2f} ms", f"{after.model * 1e3:.2f} ms",
+         f"{model_speedup:.2f}x faster"),
+    ]
+
+
+def print_scores(name: str, scores: torch.Tensor, heads: dict[int, list[int]]) -> None:
+    """Each layer's scores by original head id (``-`` for heads already gone) and the heads pruned."""
+    for layer, row in enumerate(scores.tolist()):
+        values = " ".join("-" if value != value else f"{value:.3g}" for value in row)  # NaN: removed before
+        print(f"  layer {layer} {name} scores by head: {values}")
+        print(f"  layer {layer} pruned heads: {heads.get(layer, [])}")
+
+
+# --------------------------------------------------------------------------------- command
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``vlfuse prune``."""
+    parser = argparse.ArgumentParser(
+        prog="vlfuse prune",
+        description="Score the fusion cross-attention heads, remove the lowest-scored ones for real "
+        "(sliced weights), optionally fine-tune, and save the smaller model.",
+        epilog="example:\n  vlfuse prune --model runs/easy_vqa/model --config configs/easy_vqa.yaml "
+        "--score gradient --fraction 0.5 --out runs/easy_vqa/pruned",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", type=Path, required=True, help="saved model directory (save_pretrained)")
+    parser.add_argument("--config", type=Path, required=True, help="YAML config whose data: section gives the data")
+    parser.add_argument("--out", type=Path, required=True, help="directory to save the pruned model to")
+    parser.add_argument(
+        "--score", choices=SCORES, required=True,
+        help="how heads are ranked, the lowest going first: weight_norm (norm of the head's query rows), "
+        "gradient (Michel et al. 2019, |dLoss/dgate|, L2-normalised per layer), ablation (accuracy drop alone)",
+    )
+    rule = parser.add_mutually_exclusive_group(required=True)
+    rule.add_argument("--fraction", type=float, help="prune this share of the heads, ranked over all layers")
+    rule.add_argument("--threshold", type=float, metavar="TAU", help="prune every head scoring at most TAU")
+    data = parser.add_argument_group("data")
+    data.add_argument("--split", choices=SPLITS, default="val", help="split to score the heads on (default val)")
+    data.add_argument("--eval-split", choices=SPLITS, help="split to measure accuracy on (default: --split)")
+    data.add_argument("--max-batches", type=int, metavar="N", help="use only the first N batches of each split")
+    data.add_argument("--limit-images", type=int, metavar="N", help="keep the first N images of each split")
+    tune = parser.add_argument_group("fine-tuning")
+    tune.add_argument("--finetune-epochs", type=int, default=0, metavar="N", help="epochs after pruning (default 0)")
+    tune.add_argument("--finetune-lr", type=float, metavar="LR", help="peak learning rate (default: the config's model.lr / 10)")
+    tune.add_argument("--accelerator", default="cpu", help="Lightning accelerator (default cpu)")
+    timing = parser.add_argument_group("latency (CPU, before and after side by side)")
+    timing.add_argument("--latency-questions", type=int, default=64, metavar="N", help="questions per forward pass (default 64)")
+    timing.add_argument("--latency-repeats", type=int, default=20, metavar="N", help="timed repetitions (default 20)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``vlfuse prune``: see :func:`build_parser`."""
+    args = build_parser().parse_args(argv)
+    if args.out.resolve() == args.model.resolve():
+        raise ValueError(f"--out must differ from --model ({args.model}): the pruned model would overwrite it")
+    if args.finetune_epochs < 0:
+        raise ValueError(f"--finetune-epochs must be at least 0, got {args.finetune_epochs}")
+    config = read_config(args.config)
+    model = VLFuseModel.from_pretrained(args.model)
+    datamodule = build_datamodule(config, args.config, limit_images=args.limit_images)
+    VLFuseLitModule(architecture=model.config).configure_datamodule(datamodule)  # the model's image size
+    if datamodule.answers != model.answers:
+        raise ValueError(f"{args.config}'s data has other answers than {args.model}: {datamodule.answers[:5]}...")
+    score_batches = split_batches(datamodule, args.split, args.max_batches)
+    eval_split = args.eval_split or args.split
+    eval_batches = (
+        score_batches if eval_split == args.split else split_batches(datamodule, eval_split, args.max_batches)
+    )
+
+    scores = score_heads(model, args.score, score_batches)
+    heads = heads_to_prune(scores, fraction=args.fraction, threshold=args.threshold)
+    if not heads:
+        if args.threshold is not None:
+            lowest = float(scores.nan_to_num(float("inf")).min())
+            why = f"no {args.score} score is at most {args.threshold} (the lowest is {lowest:.4g})"
+        else:
+            why = f"--fraction {args.fraction} of {sum(heads_per_layer(model))} heads rounds to 0 heads"
+        raise ValueError(f"nothing to prune: {why}")
+    pruned = prune_model(model, heads)
+    accuracies = {"before": evaluate(model, eval_batches), "pruned": evaluate(pruned, eval_batches)}
+    if args.finetune_epochs:
+        lit = lit_module_for(pruned, config, args.config, args.finetune_lr)
+        L.seed_everything(config.get("seed_everything", 0), verbose=False)
+        finetune(lit, datamodule, args.finetune_epochs, args.accelerator, args.out)
+        accuracies[f"then fine-tuned {args.finetune_epochs} epoch(s)"] = evaluate(pruned, eval_batches)
+    questions = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in eval_batches)
+    rows = [
+        *size_rows(model, pruned),
+        *accuracy_rows(eval_split, questions, accuracies),
+        *latency_rows(model, pruned, take_questions(eval_batches, args.latency_questions), args.latency_repeats),
+    ]
+    pruned.save_pretrained(args.out)
+    checkpoint = write_lightning_checkpoint(pruned, args.out / CHECKPOINT_FILE)
+
+    rule = f"fraction {args.fraction}" if args.fraction is not None else f"threshold {args.threshold}"
+    print(f"vlfuse prune: {args.score} scores on {args.split} ({len(score_batches)} batches), {rule}")
+    print_scores(args.score, scores, heads)
+    print()
+    print(format_report(rows))
+    print()
+    print(f"vlfuse prune: saved the pruned model to {args.out}")
+    pruned_json = json.dumps(pruned.config.pruned_heads, separators=(",", ":"))
+    print(f"  test it: vlfuse test --config {args.config} --ckpt_path {checkpoint} "
+          f"'--model.architecture.pruned_heads={pruned_json}'")
+    return 0
