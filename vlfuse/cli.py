@@ -9,6 +9,7 @@ from typing import Callable
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from vlfuse.analysis.analyze import main as analyze_main
 from vlfuse.datamodules import VQADataModule
 from vlfuse.lit import ExportBestModel, VLFuseLitModule
 from vlfuse.predict import main as predict_main
@@ -56,7 +57,11 @@ def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
 
 
 # Subcommands implemented by vlfuse itself rather than by LightningCLI: name -> main(argv).
-TOOLS: dict[str, Callable[[list[str]], int | None]] = {"predict": predict_main, "prune": prune_main}
+TOOLS: dict[str, Callable[[list[str]], int | None]] = {
+    "analyze": analyze_main,
+    "predict": predict_main,
+    "prune": prune_main,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
