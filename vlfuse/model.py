@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Literal, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,7 +21,7 @@ from vlfuse.encoders import (
     load_tokenizer,
     scratch_config,
 )
-from vlfuse.layers import FusionStack, ProjectedContext
+from vlfuse.layers import FusionStack, ProjectedContext, head_diversity
 
 FORMAT_VERSION = 1
 WEIGHTS_FILE, CONFIG_FILE, ANSWERS_FILE, TOKENIZER_DIR = "model.safetensors", "config.json", "answers.json", "tokenizer"
@@ -42,6 +42,12 @@ class VLFuseConfig:
         attn_dropout: dropout on the fusion attention weights.
         text_self_attention: fusion blocks start with text self-attention.
         gated: fusion branches go through tanh gates initialised to 0.
+        attention_normalizer: how the fusion attentions turn scores into weights: ``softmax``
+            (the fast SDPA path) or ``leaky_relu`` (linear in the scores; the explicit path).
+        diversity_weight: weight of the head-diversity penalty (the mean pairwise cosine
+            similarity of the cross-attention heads' distributions, averaged over layers) added to
+            the training loss; 0 (default) turns it off. When on, every fusion layer takes the
+            explicit attention path in training, to materialise its weights.
         pruned_heads: ``{layer: [original head ids]}`` removed from each fusion layer's
             cross-attention (filled by pruning; layers as strings for JSON).
     """
@@ -56,6 +62,8 @@ class VLFuseConfig:
     attn_dropout: float = 0.0
     text_self_attention: bool = True
     gated: bool = True
+    attention_normalizer: Literal["softmax", "leaky_relu"] = "softmax"
+    diversity_weight: float = 0.0
     pruned_heads: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
@@ -78,11 +86,14 @@ class VLFuseOutput:
         logits: ``(Bq, num_answers)`` answer scores.
         attentions: ``{layer: (Bq, H, Lt, Li)}`` cross-attention weights of the layers asked for.
         text_mask: ``(Bq, Lt)`` True for real (non-padding) question tokens.
+        head_diversity: in training mode with ``config.diversity_weight > 0``, the head-diversity
+            penalty (scalar, differentiable; see :func:`vlfuse.layers.head_diversity`), else ``None``.
     """
 
     logits: torch.Tensor
     attentions: dict[int, torch.Tensor]
     text_mask: torch.Tensor
+    head_diversity: torch.Tensor | None = None
 
 
 class VLFuseModel(nn.Module):
@@ -114,6 +125,8 @@ class VLFuseModel(nn.Module):
         super().__init__()
         if len(answers) < 2:
             raise ValueError(f"need at least 2 answers, got {len(answers)}")
+        if config.diversity_weight < 0:
+            raise ValueError(f"diversity_weight must be >= 0, got {config.diversity_weight}")
         self.config = config
         self.answers = list(answers)
         self.tokenizer = tokenizer
@@ -133,6 +146,7 @@ class VLFuseModel(nn.Module):
             attn_dropout=config.attn_dropout,
             self_attention=config.text_self_attention,
             gated=config.gated,
+            attention_normalizer=config.attention_normalizer,
         )
         self.head = nn.Sequential(nn.LayerNorm(d), nn.Dropout(config.dropout), nn.Linear(d, len(self.answers)))
         self._apply_pruning(config.pruned_heads)
@@ -202,12 +216,23 @@ class VLFuseModel(nn.Module):
             image_kvs = self.encode_images(pixel_values)
         text_mask = attention_mask.bool()
         text = self.text_proj(self.encode_questions(input_ids, attention_mask))  # (Bq, Lt, fusion_dim)
+        wanted = set(weights_from)
+        # The diversity penalty needs every layer's weights: only then do all layers leave SDPA.
+        diversity_layers = range(len(self.fusion)) if self.training and self.config.diversity_weight > 0 else ()
         fused, attentions = self.fusion(
-            text, text_mask=text_mask, kvs=image_kvs, image_index=image_index, weights_from=weights_from
+            text,
+            text_mask=text_mask,
+            kvs=image_kvs,
+            image_index=image_index,
+            weights_from=wanted.union(diversity_layers),
         )
+        diversity = None
+        if diversity_layers:
+            diversity = torch.stack([head_diversity(attentions[i], text_mask) for i in diversity_layers]).mean()
+            attentions = {i: w for i, w in attentions.items() if i in wanted}
         weights = text_mask.unsqueeze(-1).to(fused.dtype)  # (Bq, Lt, 1)
         pooled = (fused * weights).sum(1) / weights.sum(1).clamp(min=1.0)  # (Bq, fusion_dim)
-        return VLFuseOutput(self.head(pooled), attentions, text_mask)
+        return VLFuseOutput(self.head(pooled), attentions, text_mask, diversity)
 
     # ----------------------------------------------------------------------------- head pruning
     def _apply_pruning(self, pruned_heads: dict[str, list[int]]) -> None:

@@ -1,6 +1,33 @@
 """Attention and fusion layers: plain torch, no data, no encoders, no Lightning."""
 
-from vlfuse.layers.attention import CrossAttention, ProjectedContext, attention_core
+from vlfuse.layers.attention import CrossAttention, ProjectedContext, attention_core, leaky_relu_normalize
+from vlfuse.layers.diversity import head_diversity
 from vlfuse.layers.fusion import FusionBlock, FusionStack
+from vlfuse.layers.local_attention import (
+    LocalLayout,
+    block_sparse,
+    block_sparse_mask,
+    grid_neighbourhood,
+    grid_neighbourhood_mask,
+    local_self_attention,
+    sliding_window,
+    sliding_window_mask,
+)
 
-__all__ = ["CrossAttention", "FusionBlock", "FusionStack", "ProjectedContext", "attention_core"]
+__all__ = [
+    "CrossAttention",
+    "FusionBlock",
+    "FusionStack",
+    "LocalLayout",
+    "ProjectedContext",
+    "attention_core",
+    "block_sparse",
+    "block_sparse_mask",
+    "grid_neighbourhood",
+    "grid_neighbourhood_mask",
+    "head_diversity",
+    "leaky_relu_normalize",
+    "local_self_attention",
+    "sliding_window",
+    "sliding_window_mask",
+]

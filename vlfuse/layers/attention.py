@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vlfuse.layers.local_attention import LocalLayout, local_self_attention
+
+Normalizer = Literal["softmax", "leaky_relu"]
+NORMALIZERS: tuple[str, ...] = ("softmax", "leaky_relu")
+LEAKY_SLOPE = 0.01
+"""Negative slope of the ``leaky_relu`` normaliser (``nn.LeakyReLU``'s default)."""
 
 
 @dataclass
@@ -70,6 +77,37 @@ class QueryGroups:
         return t[self.index, self.slot]
 
 
+def leaky_relu_normalize(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention weights from scores through a LeakyReLU instead of an exponential.
+
+    Over the keys a query may attend, with ``a = leaky_relu(s, LEAKY_SLOPE)``::
+
+        w_j = (1 + a_j - min_k a_k) / sum_i (1 + a_i - min_k a_k)
+
+    The row's lowest score maps to 1 before normalisation and each unit of score above it adds
+    1 (``LEAKY_SLOPE`` below 0), so the weights are non-negative, sum to 1 and are uniform when
+    all scores are equal (a new layer starts near uniform, as with softmax); they grow linearly
+    with the scores, where softmax grows exponentially. Negative scores are nearly switched off
+    but, unlike with a ReLU, keep a gradient. The denominator is at least 1, so rows whose scores
+    are all negative or all equal are well defined; a row with no allowed key gets all-zero
+    weights, and every gradient stays finite.
+
+    Args:
+        scores: ``(..., Lq, Lk)`` attention scores.
+        mask: bool, broadcastable to ``scores``, True where a key may be attended.
+
+    Returns:
+        Weights of the shape of ``scores``; masked keys get exactly 0.
+    """
+    a = F.leaky_relu(scores, LEAKY_SLOPE)
+    if mask is None:
+        lifted = 1.0 + a - a.amin(dim=-1, keepdim=True)
+    else:
+        floor = a.masked_fill(~mask, float("inf")).amin(dim=-1, keepdim=True)  # +inf for a row with no key
+        lifted = torch.where(mask, 1.0 + a - floor, 0.0)
+    return lifted / lifted.sum(dim=-1, keepdim=True).clamp_min(1.0)
+
+
 def attention_core(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -79,8 +117,9 @@ def attention_core(
     dropout_p: float = 0.0,
     use_sdpa: bool = True,
     need_weights: bool = False,
+    normalizer: Normalizer = "softmax",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """softmax(Q K^T / sqrt(hd)) V for all heads at once.
+    """normalize(Q K^T / sqrt(hd)) V for all heads at once; ``normalize`` is softmax by default.
 
     Args:
         q: ``(B, H, Lq, hd)``; k, v: ``(B, H, Lk, hd)``.
@@ -88,18 +127,24 @@ def attention_core(
             Every query must keep at least one key (callers handle fully masked rows).
         dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
         use_sdpa: use ``F.scaled_dot_product_attention``; ignored when ``need_weights`` is set,
-            since SDPA does not return its weights.
+            since SDPA does not return its weights, and with a normaliser other than softmax.
         need_weights: also return the ``(B, H, Lq, Lk)`` weights (before dropout).
+        normalizer: ``"softmax"``, or ``"leaky_relu"`` (:func:`leaky_relu_normalize`, explicit path).
 
     Returns:
         ``(output (B, H, Lq, hd), weights or None)``.
     """
-    if use_sdpa and not need_weights:
+    if use_sdpa and not need_weights and normalizer == "softmax":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = scores.softmax(dim=-1)
+    if normalizer == "leaky_relu":
+        weights = leaky_relu_normalize(scores, mask)
+    elif normalizer == "softmax":
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(dim=-1)
+    else:
+        raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     return dropped @ v, (weights if need_weights else None)
 
@@ -113,6 +158,8 @@ class CrossAttention(nn.Module):
         kv_dim: width of the context sequence (default: ``dim``).
         dropout: dropout probability on the attention weights, in training mode.
         bias: whether the projections have biases.
+        normalizer: how scores become weights: ``"softmax"`` (the fast SDPA path), or
+            ``"leaky_relu"`` (:func:`leaky_relu_normalize`; always the explicit path).
 
     The key and value projections are fused into one ``kv_proj`` matrix product. Heads can be
     removed for real with :meth:`prune_heads`, which slices the projection weights so that the
@@ -128,8 +175,11 @@ class CrossAttention(nn.Module):
         kv_dim: int | None = None,
         dropout: float = 0.0,
         bias: bool = True,
+        normalizer: Normalizer = "softmax",
     ) -> None:
         super().__init__()
+        if normalizer not in NORMALIZERS:
+            raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
         if num_heads < 1:
             raise ValueError(f"num_heads must be at least 1, got {num_heads}")
         if dim % num_heads != 0:
@@ -140,6 +190,7 @@ class CrossAttention(nn.Module):
         self.kv_dim = dim if kv_dim is None else kv_dim
         self.head_dim = dim // num_heads
         self.dropout = dropout
+        self.normalizer = normalizer
         self.use_sdpa = True
         # Original indices of the heads still present, in the order of the weight rows.
         self.head_ids: list[int] = list(range(num_heads))
@@ -203,6 +254,7 @@ class CrossAttention(nn.Module):
         need_weights: bool = False,
         kv: ProjectedContext | None = None,
         context_index: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | LocalLayout | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to ``context``.
 
@@ -217,6 +269,14 @@ class CrossAttention(nn.Module):
             context_index: ``(B,)`` the context row each row of ``x`` attends to, when several
                 rows share one context (e.g. many questions about one image). Default: row i
                 attends to context row i, and ``Bc`` must equal ``B``.
+            attention_mask: which queries may attend which keys, shared by all rows: a bool
+                ``(Lq, Lk)`` tensor (True = may attend), or a
+                :class:`~vlfuse.layers.local_attention.LocalLayout` for local self-attention
+                (``Lq == Lk == layout.length``), combined with ``context_mask``. A query left with
+                no key gets a zero output, never NaN. A layout without ``context_mask``, with the
+                softmax normaliser and without ``need_weights``, runs through
+                :func:`~vlfuse.layers.local_attention.local_self_attention` (FlexAttention where it
+                can); otherwise the layout's dense mask is used. Not with ``context_index``.
 
         Returns:
             ``(B, Lq, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
@@ -232,6 +292,8 @@ class CrossAttention(nn.Module):
         if kv.key.shape[1] != self.num_heads:
             raise ValueError(f"kv was projected with {kv.key.shape[1]} heads, this layer has {self.num_heads}")
         self._check_context_index(context_index, x.shape[0], kv.batch_size)
+        if attention_mask is not None:
+            return self._forward_with_attention_mask(x, kv, attention_mask, need_weights, context_index)
 
         mask, empty_rows = None, None
         if kv.mask is not None:
@@ -253,6 +315,7 @@ class CrossAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             use_sdpa=self.use_sdpa,
             need_weights=need_weights,
+            normalizer=self.normalizer,
         )
         if groups is not None:
             out = groups.ungroup(out, lq)
@@ -262,6 +325,49 @@ class CrossAttention(nn.Module):
             out = out.masked_fill(empty_rows[:, None, None], 0.0)
             if weights is not None:
                 weights = weights.masked_fill(empty_rows[:, None, None, None], 0.0)
+        return (out, weights) if need_weights else out
+
+    def _forward_with_attention_mask(
+        self,
+        x: torch.Tensor,
+        kv: ProjectedContext,
+        attention_mask: torch.Tensor | LocalLayout,
+        need_weights: bool,
+        context_index: torch.Tensor | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with a ``(Lq, Lk)`` mask or a local layout shared by every row."""
+        if context_index is not None:
+            raise ValueError("attention_mask cannot be combined with context_index")
+        b, lq, _ = x.shape
+        lk = kv.key.shape[2]
+        q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
+        dropout_p = self.dropout if self.training else 0.0
+        if isinstance(attention_mask, LocalLayout):
+            if not attention_mask.length == lq == lk:
+                raise ValueError(
+                    f"the attention_mask layout is for {attention_mask.length} tokens, got Lq={lq}, Lk={lk}"
+                )
+            if kv.mask is None and self.normalizer == "softmax" and not need_weights:
+                out = local_self_attention(q, kv.key, kv.value, attention_mask, dropout_p=dropout_p)
+                return self.out_proj(out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim))
+            attention_mask = attention_mask.dense(x.device)
+        elif attention_mask.dtype != torch.bool or attention_mask.shape != (lq, lk):
+            raise ValueError(
+                f"attention_mask must be a bool tensor of shape (Lq, Lk) = {(lq, lk)}, "
+                f"got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
+        allowed = attention_mask[None] if kv.mask is None else kv.mask[:, None, :] & attention_mask  # (B or 1, Lq, Lk)
+        has_key = allowed.any(dim=-1)  # (B or 1, Lq)
+        # As in forward: queries with no key attend everywhere, then get a zero output.
+        mask = (allowed | ~has_key[..., None])[:, None]  # (B or 1, 1, Lq, Lk)
+        out, weights = attention_core(
+            q, kv.key, kv.value, mask, dropout_p=dropout_p, use_sdpa=self.use_sdpa,
+            need_weights=need_weights, normalizer=self.normalizer,
+        )
+        out = self.out_proj(out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim))  # (B, Lq, dim)
+        if not bool(has_key.all()):
+            out = out.masked_fill(~has_key[..., None], 0.0)
+            weights = None if weights is None else weights.masked_fill(~has_key[:, None, :, None], 0.0)
         return (out, weights) if need_weights else out
 
     @staticmethod
@@ -330,7 +436,8 @@ class CrossAttention(nn.Module):
         return attn.to(mha.out_proj.weight.device, mha.out_proj.weight.dtype)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, kv_dim={self.kv_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
+        text = f"dim={self.dim}, kv_dim={self.kv_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
+        return text if self.normalizer == "softmax" else f"{text}, normalizer={self.normalizer}"
 
 
 def _slice_linear(linear: nn.Linear, index: torch.Tensor, dim: int) -> nn.Linear:

@@ -7,7 +7,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from vlfuse.layers.attention import CrossAttention, ProjectedContext
+from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext
+from vlfuse.layers.local_attention import LocalLayout
 
 
 class FusionBlock(nn.Module):
@@ -27,6 +28,8 @@ class FusionBlock(nn.Module):
         attn_dropout: dropout on the attention weights.
         self_attention: include text self-attention before the cross-attention.
         gated: multiply the cross-attention and MLP branches by tanh gates initialised to 0.
+        attention_normalizer: ``"softmax"`` or ``"leaky_relu"``, for both attentions (see
+            :class:`~vlfuse.layers.attention.CrossAttention`).
     """
 
     def __init__(
@@ -40,12 +43,14 @@ class FusionBlock(nn.Module):
         attn_dropout: float = 0.0,
         self_attention: bool = True,
         gated: bool = True,
+        attention_normalizer: Normalizer = "softmax",
     ) -> None:
         super().__init__()
-        self.self_attn = CrossAttention(dim, num_heads, dropout=attn_dropout) if self_attention else None
+        attention = dict(dropout=attn_dropout, normalizer=attention_normalizer)
+        self.self_attn = CrossAttention(dim, num_heads, **attention) if self_attention else None
         self.norm_self = nn.LayerNorm(dim) if self_attention else None
         self.norm_cross = nn.LayerNorm(dim)
-        self.cross_attn = CrossAttention(dim, num_heads, kv_dim=kv_dim, dropout=attn_dropout)
+        self.cross_attn = CrossAttention(dim, num_heads, kv_dim=kv_dim, **attention)
         self.norm_mlp = nn.LayerNorm(dim)
         hidden = int(dim * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
@@ -67,6 +72,7 @@ class FusionBlock(nn.Module):
         kv: ProjectedContext | None = None,
         context_index: torch.Tensor | None = None,
         need_weights: bool = False,
+        self_attention_mask: torch.Tensor | LocalLayout | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Fuse ``x`` ``(B, Lt, dim)`` with image tokens.
 
@@ -76,10 +82,15 @@ class FusionBlock(nn.Module):
             context_mask: ``(Bi, Li)`` bool, True for image tokens that may be attended.
             context_index: ``(B,)`` the image of each text row when images are shared.
             need_weights: also return the cross-attention weights ``(B, H, Lt, Li)``.
+            self_attention_mask: an ``(Lt, Lt)`` bool mask or a local layout (e.g.
+                :func:`~vlfuse.layers.local_attention.sliding_window`) for the text self-attention,
+                combined with ``text_mask``.
         """
+        if self_attention_mask is not None and self.self_attn is None:
+            raise ValueError("self_attention_mask given, but this block has no self-attention (self_attention=False)")
         if self.self_attn is not None:
             h = self.norm_self(x)
-            x = x + self.drop(self.self_attn(h, h, context_mask=text_mask))
+            x = x + self.drop(self.self_attn(h, h, context_mask=text_mask, attention_mask=self_attention_mask))
         h = self.norm_cross(x)
         attended = self.cross_attn(
             h, context, context_mask=context_mask, kv=kv, context_index=context_index, need_weights=need_weights
@@ -120,6 +131,7 @@ class FusionStack(nn.Module):
         kvs: list[ProjectedContext] | None = None,
         image_index: torch.Tensor | None = None,
         weights_from: Iterable[int] = (),
+        self_attention_mask: torch.Tensor | LocalLayout | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run every block.
 
@@ -129,6 +141,7 @@ class FusionStack(nn.Module):
             image_index: ``(B,)`` the image row of each text row, when ``Bi != B``.
             weights_from: layer indices whose cross-attention weights to return; only those
                 layers leave the fast path.
+            self_attention_mask: mask or local layout of every block's text self-attention.
 
         Returns:
             ``(x, {layer: weights (B, H, Lt, Li)})``.
@@ -143,9 +156,10 @@ class FusionStack(nn.Module):
             raise ValueError(f"got keys/values for {len(kvs)} layers, the stack has {len(self.blocks)}")
         wanted = set(weights_from)
         weights: dict[int, torch.Tensor] = {}
+        common = dict(text_mask=text_mask, context_index=image_index, self_attention_mask=self_attention_mask)
         for i, (block, kv) in enumerate(zip(self.blocks, kvs)):
             if i in wanted:
-                x, weights[i] = block(x, text_mask=text_mask, kv=kv, context_index=image_index, need_weights=True)
+                x, weights[i] = block(x, kv=kv, need_weights=True, **common)
             else:
-                x = block(x, text_mask=text_mask, kv=kv, context_index=image_index)
+                x = block(x, kv=kv, **common)
         return x, weights
