@@ -16,7 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules import VQADataModule
-from vlfuse.model import VLFuseConfig, VLFuseModel
+from vlfuse.model import VLFuseConfig, VLFuseModel, VLFuseOutput
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -69,6 +69,10 @@ class VLFuseLitModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------ building
     def setup(self, stage: str) -> None:
+        self.configure_model()
+
+    def configure_model(self) -> None:
+        """Build the model once (Lightning's weight-averaging callbacks call this before ``setup``)."""
         if self.model is not None:
             return
         datamodule = self.trainer.datamodule if self._trainer is not None else None
@@ -109,17 +113,22 @@ class VLFuseLitModule(L.LightningModule):
     # ------------------------------------------------------------------------------ steps
     def forward(self, batch: dict) -> torch.Tensor:
         """Answer logits for a batch from :func:`vlfuse.data.collate_grouped`."""
+        return self._model_output(batch).logits
+
+    def _model_output(self, batch: dict) -> VLFuseOutput:
         tokens = self.model.tokenize(batch["questions"])  # cheap; the tokenizer belongs to the model
         return self.model(
             batch["pixel_values"],
             tokens["input_ids"].to(self.device),
             tokens["attention_mask"].to(self.device),
             image_index=batch["image_index"],
-        ).logits
+        )
 
     def _step(self, batch: dict, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:
-        logits = self(batch)
-        labels = batch["labels"]
+        """The cross-entropy (logged as ``{stage}/loss``), plus the weighted head-diversity penalty
+        (logged as ``train/head_diversity``) when the model returns one (training, weight > 0)."""
+        output = self._model_output(batch)
+        logits, labels = output.logits, batch["labels"]
         loss = F.cross_entropy(
             logits, labels, ignore_index=IGNORE_INDEX, label_smoothing=self.hparams.label_smoothing
         )
@@ -128,6 +137,9 @@ class VLFuseLitModule(L.LightningModule):
         on_step = stage == "train"
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=n, on_step=on_step, on_epoch=True, sync_dist=not on_step)
         self.log(f"{stage}/acc", accuracy, prog_bar=True, batch_size=n, on_step=False, on_epoch=True)
+        if output.head_diversity is not None:
+            self.log(f"{stage}/head_diversity", output.head_diversity, batch_size=n, on_step=True, on_epoch=True)
+            loss = loss + self.model.config.diversity_weight * output.head_diversity
         return loss
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
