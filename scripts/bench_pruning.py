@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from vlfuse.analysis.data import build_datamodule, load_batches, read_config
 from vlfuse.analysis.head_scores import weight_norm_scores
 from vlfuse.analysis.pruning import (
     heads_per_layer,
@@ -33,7 +34,6 @@ from vlfuse.analysis.pruning import (
     take_questions,
 )
 from vlfuse.model import VLFuseConfig, VLFuseModel
-from vlfuse.prune import build_datamodule, read_config, split_batches
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_FRACTION, TARGET_SPEEDUP = 0.5, 1.6
@@ -68,11 +68,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = read_config(args.config)
-    datamodule = build_datamodule(config, args.config, limit_images=args.questions)  # at least one question each
-    model = load_model(args.model, config, datamodule).eval()
-    datamodule.image_size = model.config.image.image_size
-    batch = take_questions(split_batches(datamodule, "val", None), args.questions)
+    # At least one question per image, so args.questions images are enough.
+    datamodule = build_datamodule(args.config, [f"--data.init_args.limit_images={args.questions}"])
+    model = load_model(args.model, read_config(args.config), datamodule).eval()
+    batch = take_questions(load_batches(datamodule, model, "val"), args.questions)
 
     scores = weight_norm_scores(model)
     models = {"unpruned": model}

@@ -103,8 +103,8 @@ def read_metrics(path: Path) -> dict[str, float | None]:
 
 def count_dead_heads(model_dir: Path, config: Path, extra: Sequence[str], max_batches: int) -> int:
     """Dead cross-attention heads of a saved model, over the first validation batches of ``config``."""
-    from vlfuse.analysis.analyze import build_datamodule, load_batches
     from vlfuse.analysis.collect import collect_head_stats
+    from vlfuse.analysis.data import build_datamodule, load_batches
     from vlfuse.analysis.head_roles import dead_heads
     from vlfuse.model import VLFuseModel
 

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from vlfuse.analysis.analyze import build_datamodule, load_batches
+from vlfuse.analysis.data import build_datamodule, load_batches
 from vlfuse.analysis.report import rank, spearman
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.data import IGNORE_INDEX

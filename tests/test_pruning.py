@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vlfuse.analysis.data import build_datamodule, load_batches
 from vlfuse.analysis.head_scores import ablation_scores, evaluate, gradient_scores, weight_norm_scores
 from vlfuse.analysis.pruning import (
     Latency,
@@ -22,7 +23,7 @@ from vlfuse.cli import run_lightning
 from vlfuse.data import IGNORE_INDEX, preprocess_image
 from vlfuse.model import VLFuseModel
 from vlfuse.predict import Predictor
-from vlfuse.prune import CHECKPOINT_FILE, build_datamodule, read_config, split_batches
+from vlfuse.prune import CHECKPOINT_FILE
 
 from conftest import REPO, tiny_cli_args
 from test_head_scores import ANSWERS, HEADS, batches, logits, model, one_thread  # noqa: F401 (fixtures)
@@ -174,8 +175,8 @@ def test_vlfuse_prune_end_to_end(trained, tmp_path, capsys):
     assert answer["answer"] in model.answers
 
     # vlfuse test runs the saved weights through the checkpoint and the printed override.
-    datamodule = build_datamodule(read_config(EASY_VQA), EASY_VQA, limit_images=8, image_size=32)
-    test_batches = split_batches(datamodule, "test", None)
+    datamodule = build_datamodule(EASY_VQA, ["--data.init_args.limit_images=8"])
+    test_batches = load_batches(datamodule, model, "test")
     expected_accuracy = evaluate(model, test_batches)
     with torch.no_grad():
         labels = torch.cat([b["labels"] for b in test_batches])

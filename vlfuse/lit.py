@@ -93,8 +93,12 @@ class VLFuseLitModule(L.LightningModule):
             )
 
     def build_model(self, answers: list[str], questions: list[str]) -> None:
-        self.model = VLFuseModel.from_config(self.architecture, answers, questions)
-        num_classes = len(answers)
+        self.use_model(VLFuseModel.from_config(self.architecture, answers, questions))
+
+    def use_model(self, model: VLFuseModel) -> None:
+        """Train ``model`` (e.g. a pruned one): set it and the accuracy metrics over its answers."""
+        self.model = model
+        num_classes = len(model.answers)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.test_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)

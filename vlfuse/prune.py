@@ -10,16 +10,20 @@ and the CPU latency of the fusion stack and of the whole model before and after.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
 
 import lightning as L
 import torch
-import yaml
-from torchmetrics.classification import MulticlassAccuracy
 
+from vlfuse.analysis.data import (
+    add_data_arguments,
+    build_datamodule,
+    load_batches,
+    parse_with_data_overrides,
+    read_config,
+)
 from vlfuse.analysis.head_scores import ablation_scores, evaluate, gradient_scores, weight_norm_scores
 from vlfuse.analysis.pruning import (
     count_parameters,
@@ -41,48 +45,6 @@ CHECKPOINT_FILE = "lightning.ckpt"
 """A Lightning checkpoint of the pruned model, written next to it, for ``vlfuse test --ckpt_path``."""
 
 
-# ------------------------------------------------------------------------------------- data
-def read_config(path: Path) -> dict:
-    """The YAML config of a ``vlfuse fit`` run, as a dict."""
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    config = yaml.safe_load(path.read_text())
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} is not a YAML mapping")
-    return config
-
-
-def build_datamodule(config: dict, config_path: Path, **overrides) -> VQADataModule:
-    """The ``data:`` section's datamodule (``class_path`` and ``init_args``), with ``overrides`` applied."""
-    data = config.get("data")
-    if not isinstance(data, dict) or "class_path" not in data:
-        raise ValueError(f"{config_path} has no 'data:' section with a class_path")
-    module_name, _, class_name = data["class_path"].rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"{config_path}: data.class_path {data['class_path']!r} cannot be imported ({err})") from err
-    if not (isinstance(cls, type) and issubclass(cls, VQADataModule)):
-        raise ValueError(f"{config_path}: data.class_path {data['class_path']!r} is not a VQADataModule")
-    init_args = {**data.get("init_args", {}), **{k: v for k, v in overrides.items() if v is not None}}
-    try:
-        return cls(**init_args)
-    except TypeError as err:
-        raise ValueError(f"{config_path}: bad data.init_args for {class_name}: {err}") from err
-
-
-def split_batches(datamodule: VQADataModule, split: str, max_batches: int | None) -> list[dict]:
-    """The first ``max_batches`` batches (all when ``None``) of ``split``, in the loader's order."""
-    batches = []
-    for batch in getattr(datamodule, f"{split}_dataloader")():
-        if max_batches is not None and len(batches) == max_batches:
-            break
-        batches.append(batch)
-    if not batches:
-        raise ValueError(f"the {split} split is empty")
-    return batches
-
-
 # ------------------------------------------------------------------------------ fine-tuning
 def lit_module_for(model: VLFuseModel, config: dict, config_path: Path, lr: float | None) -> VLFuseLitModule:
     """A :class:`VLFuseLitModule` that trains ``model`` itself, with the config's ``model:`` options.
@@ -95,17 +57,16 @@ def lit_module_for(model: VLFuseModel, config: dict, config_path: Path, lr: floa
     except TypeError as err:
         raise ValueError(f"{config_path}: bad model options {sorted(options)}: {err}") from err
     lit.hparams.lr = lr if lr is not None else lit.hparams.lr / 10  # configure_optimizers reads it
-    # Set what VLFuseLitModule.build_model would, around the given model (setup then keeps it).
-    lit.model = model
-    n = len(model.answers)
-    lit.train_acc, lit.val_acc, lit.test_acc = (
-        MulticlassAccuracy(n, average="micro", ignore_index=IGNORE_INDEX) for _ in range(3)
-    )
+    lit.use_model(model)  # instead of building one in setup
     return lit
 
 
 def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, accelerator: str, root: Path) -> None:
-    """Train ``lit.model`` for ``epochs`` epochs on the training split (no validation, no checkpoints)."""
+    """Train ``lit.model`` for ``epochs`` epochs on the training split (no validation, no checkpoints).
+
+    The datamodule labels the questions with its own vocabulary, so it must be the model's answers.
+    """
+    lit.configure_datamodule(datamodule)  # the model's image size
     trainer = L.Trainer(
         max_epochs=epochs,
         accelerator=accelerator,
@@ -218,11 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     rule = parser.add_mutually_exclusive_group(required=True)
     rule.add_argument("--fraction", type=float, help="prune this share of the heads, ranked over all layers")
     rule.add_argument("--threshold", type=float, metavar="TAU", help="prune every head scoring at most TAU")
-    data = parser.add_argument_group("data")
-    data.add_argument("--split", choices=SPLITS, default="val", help="split to score the heads on (default val)")
+    data = add_data_arguments(parser, split_help="split to score the heads on (default val)")
     data.add_argument("--eval-split", choices=SPLITS, help="split to measure accuracy on (default: --split)")
-    data.add_argument("--max-batches", type=int, metavar="N", help="use only the first N batches of each split")
-    data.add_argument("--limit-images", type=int, metavar="N", help="keep the first N images of each split")
     tune = parser.add_argument_group("fine-tuning")
     tune.add_argument("--finetune-epochs", type=int, default=0, metavar="N", help="epochs after pruning (default 0)")
     tune.add_argument("--finetune-lr", type=float, metavar="LR", help="peak learning rate (default: the config's model.lr / 10)")
@@ -235,21 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """``vlfuse prune``: see :func:`build_parser`."""
-    args = build_parser().parse_args(argv)
+    args, overrides = parse_with_data_overrides(build_parser(), argv)
     if args.out.resolve() == args.model.resolve():
         raise ValueError(f"--out must differ from --model ({args.model}): the pruned model would overwrite it")
     if args.finetune_epochs < 0:
         raise ValueError(f"--finetune-epochs must be at least 0, got {args.finetune_epochs}")
     config = read_config(args.config)
     model = VLFuseModel.from_pretrained(args.model)
-    datamodule = build_datamodule(config, args.config, limit_images=args.limit_images)
-    VLFuseLitModule(architecture=model.config).configure_datamodule(datamodule)  # the model's image size
-    if datamodule.answers != model.answers:
+    datamodule = build_datamodule(args.config, overrides)
+    # Fine-tuning trains on the datamodule's labels (scoring and evaluation use the model's answers).
+    if args.finetune_epochs and datamodule.answers != model.answers:
         raise ValueError(f"{args.config}'s data has other answers than {args.model}: {datamodule.answers[:5]}...")
-    score_batches = split_batches(datamodule, args.split, args.max_batches)
+    score_batches = load_batches(datamodule, model, args.split, args.max_batches)
     eval_split = args.eval_split or args.split
     eval_batches = (
-        score_batches if eval_split == args.split else split_batches(datamodule, eval_split, args.max_batches)
+        score_batches if eval_split == args.split else load_batches(datamodule, model, eval_split, args.max_batches)
     )
 
     scores = score_heads(model, args.score, score_batches)
