@@ -198,6 +198,7 @@ def test_vlfuse_prune_end_to_end(trained, tmp_path, capsys):
     [
         (["--threshold", "-1"], "nothing to prune: no weight_norm score is at most -1.0"),
         (["--fraction", "0.99"], "pruning 16 of 16 heads, but at most 15 can go"),
+        (["--fraction", "0"], "nothing to prune: --fraction 0.0 of 16 heads rounds to 0 heads"),
         (["--fraction", "0.5", "--out", "SAME"], "--out must differ from --model"),
     ],
 )
@@ -210,3 +211,18 @@ def test_vlfuse_prune_errors_are_one_line(trained, tmp_path, capsys, extra, mess
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_fraction_zero_with_fine_tuning_is_the_unpruned_control(trained, tmp_path, capsys):
+    out = tmp_path / "control"
+    code = vlfuse_main([
+        "prune", "--model", str(trained / "model"), "--config", str(EASY_VQA), "--score", "weight_norm",
+        "--fraction", "0", "--finetune-epochs", "1", "--limit-images", "4", "--latency-repeats", "1",
+        "--out", str(out),
+    ])
+    assert code == 0
+    assert "| heads per layer | 16 | 16 | 0 pruned |" in capsys.readouterr().out
+    model = VLFuseModel.from_pretrained(out)
+    original = VLFuseModel.from_pretrained(trained / "model")
+    assert heads_per_layer(model) == [16]
+    assert not torch.equal(model.head[2].weight, original.head[2].weight)  # fine-tuned all the same

@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
         "gradient (Michel et al. 2019, |dLoss/dgate|, L2-normalised per layer), ablation (accuracy drop alone)",
     )
     rule = parser.add_mutually_exclusive_group(required=True)
-    rule.add_argument("--fraction", type=float, help="prune this share of the heads, ranked over all layers")
+    rule.add_argument("--fraction", type=float, help="prune this share of the heads, ranked over all layers; 0 with --finetune-epochs "
+                      "prunes nothing and fine-tunes the whole model: the control for a pruned run")
     rule.add_argument("--threshold", type=float, metavar="TAU", help="prune every head scoring at most TAU")
     data = add_data_arguments(parser, split_help="split to score the heads on (default val)")
     data.add_argument("--eval-split", choices=SPLITS, help="split to measure accuracy on (default: --split)")
@@ -212,7 +213,8 @@ def main(argv: list[str]) -> int:
 
     scores = score_heads(model, args.score, score_batches)
     heads = heads_to_prune(scores, fraction=args.fraction, threshold=args.threshold)
-    if not heads:
+    control = args.fraction == 0 and args.finetune_epochs > 0  # fine-tune the unpruned model, to compare
+    if not heads and not control:
         if args.threshold is not None:
             lowest = float(scores.nan_to_num(float("inf")).min())
             why = f"no {args.score} score is at most {args.threshold} (the lowest is {lowest:.4g})"
