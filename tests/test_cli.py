@@ -102,3 +102,34 @@ def test_ddp_two_cpu_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr + result.stdout
     assert (tmp_path / "model" / "model.safetensors").exists()
+
+
+def test_test_runs_a_saved_pruned_model_given_by_directory(tmp_path):
+    from vlfuse.analysis.data import build_datamodule, load_batches
+    from vlfuse.analysis.head_scores import evaluate
+
+    _fit(tmp_path / "fit", "--trainer.max_epochs=1")
+    model = VLFuseModel.from_pretrained(tmp_path / "fit" / "model")
+    model.prune_heads({0: range(8)})
+    model.save_pretrained(tmp_path / "pruned")
+    cli = run_lightning([
+        "test", "--config", str(REPO / "configs" / "easy_vqa.yaml"), *tiny_cli_args(tmp_path / "test"),
+        f"--model.pretrained={tmp_path / 'pruned'}",
+    ])
+    assert cli.model.model.fusion.blocks[0].cross_attn.num_heads == 8
+    datamodule = build_datamodule(REPO / "configs" / "easy_vqa.yaml", ["--data.init_args.limit_images=8"])
+    expected = evaluate(model, load_batches(datamodule, model, "test"))
+    assert abs(float(cli.trainer.callback_metrics["test/acc"]) - expected) < 1e-6
+
+
+def test_a_pretrained_model_with_other_answers_is_refused(tmp_path, capsys):
+    from conftest import tiny_config
+
+    VLFuseModel.from_config(tiny_config(), ["yes", "no"], ["is it?"]).save_pretrained(tmp_path / "other")
+    code = main([
+        "test", "--config", str(REPO / "configs" / "easy_vqa.yaml"), *tiny_cli_args(tmp_path),
+        f"--model.pretrained={tmp_path / 'other'}",
+    ])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "answer vocabularies differ" in err and "Traceback" not in err

@@ -41,6 +41,9 @@ class VLFuseLitModule(L.LightningModule):
         warmup_ratio: share of the training steps spent warming the learning rate up.
         min_lr_ratio: the learning rate at the end of the cosine decay, relative to ``lr``.
         label_smoothing: label smoothing of the cross-entropy loss.
+        pretrained: a directory written by :meth:`VLFuseModel.save_pretrained` (e.g. by ``vlfuse
+            prune``): use that model, its architecture and tokenizer, instead of building one from
+            ``architecture`` (to test it, or to fine-tune it). Its answers must be the data's.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class VLFuseLitModule(L.LightningModule):
         warmup_ratio: float = 0.05,
         min_lr_ratio: float = 0.01,
         label_smoothing: float = 0.0,
+        pretrained: str | None = None,
     ) -> None:
         super().__init__()
         self.architecture = copy.deepcopy(architecture)  # the default instance is shared
@@ -63,6 +67,7 @@ class VLFuseLitModule(L.LightningModule):
                 "warmup_ratio": warmup_ratio,
                 "min_lr_ratio": min_lr_ratio,
                 "label_smoothing": label_smoothing,
+                "pretrained": pretrained,
             }
         )
         self.model: VLFuseModel | None = None
@@ -78,8 +83,23 @@ class VLFuseLitModule(L.LightningModule):
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         if not isinstance(datamodule, VQADataModule):
             raise ValueError("VLFuseLitModule needs a VQADataModule (data: class_path: vlfuse.datamodules...)")
+        if self.hparams.pretrained:
+            self.use_pretrained(self.hparams.pretrained, datamodule.answers)
         self.configure_datamodule(datamodule)
-        self.build_model(datamodule.answers, datamodule.train_questions)
+        if self.model is None:
+            self.build_model(datamodule.answers, datamodule.train_questions)
+
+    def use_pretrained(self, directory: str, answers: list[str]) -> None:
+        """Use the model saved in ``directory``; its answers must be ``answers`` (the data's)."""
+        model = VLFuseModel.from_pretrained(directory)
+        if model.answers != answers:
+            raise ValueError(
+                f"model.pretrained {directory} answers {len(model.answers)} answers {model.answers[:5]}..., "
+                f"but the data gives {len(answers)} answers {answers[:5]}...: the answer vocabularies differ"
+            )
+        self.architecture = copy.deepcopy(model.config)
+        self.hparams["architecture"] = asdict(self.architecture)  # checkpoints describe the model in use
+        self.use_model(model.train())
 
     def configure_datamodule(self, datamodule: VQADataModule) -> None:
         """Give the datamodule the model's image size (or check that they agree)."""

@@ -10,7 +10,6 @@ and the CPU latency of the fusion stack and of the whole model before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -41,7 +40,6 @@ from vlfuse.lit import VLFuseLitModule
 from vlfuse.model import VLFuseModel
 
 SCORES = ("weight_norm", "gradient", "ablation")
-CHECKPOINT_FILE = "lightning.ckpt"
 """A Lightning checkpoint of the pruned model, written next to it, for ``vlfuse test --ckpt_path``."""
 
 
@@ -82,13 +80,6 @@ def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, accel
     lit.model.train()  # from_pretrained models come in eval mode, which Lightning keeps
     trainer.fit(lit, datamodule=datamodule)
     lit.model.cpu().eval()
-
-
-def write_lightning_checkpoint(model: VLFuseModel, path: Path) -> Path:
-    """The weights as a Lightning checkpoint of :class:`VLFuseLitModule` (plain types only)."""
-    state = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
-    torch.save({"state_dict": state, "pytorch-lightning_version": L.__version__, "vlfuse_answers": model.answers}, path)
-    return path
 
 
 # ------------------------------------------------------------------------------------ report
@@ -235,7 +226,6 @@ def main(argv: list[str]) -> int:
         *latency_rows(model, pruned, take_questions(eval_batches, args.latency_questions), args.latency_repeats),
     ]
     pruned.save_pretrained(args.out)
-    checkpoint = write_lightning_checkpoint(pruned, args.out / CHECKPOINT_FILE)
 
     rule = f"fraction {args.fraction}" if args.fraction is not None else f"threshold {args.threshold}"
     print(f"vlfuse prune: {args.score} scores on {args.split} ({len(score_batches)} batches), {rule}")
@@ -244,7 +234,5 @@ def main(argv: list[str]) -> int:
     print(format_report(rows))
     print()
     print(f"vlfuse prune: saved the pruned model to {args.out}")
-    pruned_json = json.dumps(pruned.config.pruned_heads, separators=(",", ":"))
-    print(f"  test it: vlfuse test --config {args.config} --ckpt_path {checkpoint} "
-          f"'--model.architecture.pruned_heads={pruned_json}'")
+    print(f"  test it: vlfuse test --config {args.config} --model.pretrained {args.out}")
     return 0
