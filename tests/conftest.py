@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
 from vlfuse.model import VLFuseConfig
@@ -50,6 +51,15 @@ def tiny_cli_args(root: Path, limit_images: int = 8) -> list[str]:
         f"--checkpoint.dirpath={root / 'checkpoints'}",
         f"--export.dirpath={root / 'model'}",
     ]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices on a loaded 2-core machine: OpenMP waits for the busy core cost 100x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

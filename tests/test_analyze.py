@@ -20,13 +20,7 @@ SHAPES = REPO / "configs" / "shapes.yaml"
 PRUNED = {0: [1, 5]}  # layer 0 keeps 14 of its 16 heads
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices on a loaded 2-core machine: OpenMP waits for the busy core cost 100x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

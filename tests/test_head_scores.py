@@ -25,12 +25,7 @@ QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a bl
 HEADS = {0: [1, 5, 9], 1: [0, 2, 3, 15]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_batches(seed: int = 1) -> list[dict]:

@@ -26,13 +26,7 @@ QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a bl
 HEADS, PREFIX, GRID = 16, 1, (4, 4)  # tiny_config: 16 fusion heads, a CLS token, 32 px / 8 px patches
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices on a loaded 2-core machine: OpenMP waits for the busy core cost 100x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
