@@ -24,7 +24,9 @@ from vlfuse.model import VLFuseModel
 from vlfuse.predict import Predictor
 
 from conftest import REPO, tiny_cli_args
-from test_head_scores import ANSWERS, HEADS, batches, logits, model, one_thread  # noqa: F401 (fixtures)
+from test_head_scores import ANSWERS, HEADS, batches, logits, model  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NAN = float("nan")
 SCORES = torch.tensor([[0.5, 0.1, 0.9, 0.3], [0.2, 0.8, 0.05, 0.7]])
