@@ -10,10 +10,8 @@ split by whether they ask about a colour or a shape and whether they are negated
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 
-import torch
-
+from vlfuse.analysis.grouped_accuracy import accuracy_by_group, accuracy_table
 from vlfuse.datamodules import EasyVQADataModule
 from vlfuse.model import VLFuseModel
 
@@ -38,21 +36,8 @@ def main() -> None:
 
     model = VLFuseModel.from_pretrained(args.model).eval()
     data = EasyVQADataModule(image_size=model.config.image.image_size, batch_size=64, limit_images=args.limit_images)
-    correct, total = Counter(), Counter()
-    with torch.inference_mode():
-        for batch in data.test_dataloader():
-            tokens = model.tokenize(batch["questions"])
-            predicted = model(batch["pixel_values"], **tokens, image_index=batch["image_index"]).logits.argmax(-1)
-            for question, guess, label in zip(batch["questions"], predicted.tolist(), batch["labels"].tolist()):
-                kind = question_kind(question)
-                total[kind] += 1
-                correct[kind] += guess == label
-    print("| question kind | questions | accuracy |")
-    print("|:---|---:|---:|")
-    for kind in sorted(total):
-        print(f"| {kind} | {total[kind]} | {correct[kind] / total[kind]:.1%} |")
-    print(f"| all | {sum(total.values())} | {sum(correct.values()) / sum(total.values()):.2%} |")
-
+    correct, total = accuracy_by_group(model, data.test_dataloader(), lambda row, question: question_kind(question))
+    print(accuracy_table(correct, total, group="question kind", accuracy="accuracy", align=":---", overall_digits=2))
 
 if __name__ == "__main__":
     main()

@@ -9,10 +9,8 @@ test accuracies for comparison (SHAPES README): majority 63.0, VIS+LSTM 65.3, NM
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 
-import torch
-
+from vlfuse.analysis.grouped_accuracy import accuracy_by_group, accuracy_table
 from vlfuse.data.shapes import query_depth
 from vlfuse.datamodules import ShapesDataModule
 from vlfuse.model import VLFuseModel
@@ -27,22 +25,11 @@ def main() -> None:
     model = VLFuseModel.from_pretrained(args.model).eval()
     data = ShapesDataModule(data_dir=args.data_dir, image_size=model.config.image.image_size, batch_size=128)
     depths = [query_depth(q) for q in data.queries("val")]
-    correct, total = Counter(), Counter()
-    row = 0
-    with torch.inference_mode():
-        for batch in data.val_dataloader():
-            tokens = model.tokenize(batch["questions"])
-            predicted = model(batch["pixel_values"], **tokens, image_index=batch["image_index"]).logits.argmax(-1)
-            for guess, label in zip(predicted.tolist(), batch["labels"].tolist()):
-                total[depths[row]] += 1
-                correct[depths[row]] += guess == label
-                row += 1
-    print("| question depth (relations) | questions | val accuracy |")
-    print("|---:|---:|---:|")
-    for depth in sorted(total):
-        print(f"| {depth} | {total[depth]} | {correct[depth] / total[depth]:.1%} |")
-    print(f"| all | {sum(total.values())} | {sum(correct.values()) / sum(total.values()):.1%} |")
-
+    correct, total = accuracy_by_group(model, data.val_dataloader(), lambda row, question: depths[row])
+    table = accuracy_table(
+        correct, total, group="question depth (relations)", accuracy="val accuracy", align="---:", overall_digits=1
+    )
+    print(table)
 
 if __name__ == "__main__":
     main()
