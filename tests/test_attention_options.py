@@ -245,3 +245,66 @@ def test_training_logs_the_head_diversity(tmp_path):
     assert 0 <= float(metrics["train/head_diversity_step"]) <= 1
     assert cli.model.model.fusion.blocks[0].cross_attn.normalizer == "leaky_relu"
     assert cli.model.model.fusion.blocks[0].cross_attn.dropout == 0.3
+
+
+# ----------------------------------------------------------------------------- the output gate
+def test_output_gate_multiplies_each_channel_by_a_sigmoid_of_the_query():
+    gated = make(output_gate=True)
+    x, ctx = inputs()
+    plain = make()
+    shared = {k: v for k, v in gated.state_dict().items() if not k.startswith("gate_proj")}
+    plain.load_state_dict(shared)  # the same q/kv/out projections, no gate
+    assert gated.gate_proj is not None and plain.gate_proj is None
+    # Reference: the heads' concatenated outputs times sigmoid(x W_g + b_g), then out_proj.
+    q = plain._split_heads(plain.q_proj(x))
+    kv = plain.project_context(ctx)
+    per_head, _ = attention_core(q, kv.key, kv.value)  # (B, H, Lq, hd)
+    merged = per_head.transpose(1, 2).reshape(3, 5, 32)
+    expected = plain.out_proj(merged * torch.sigmoid(gated.gate_proj(x)))
+    torch.testing.assert_close(gated(x, ctx), expected, atol=1e-5, rtol=0)
+    # A zero gate projection halves every channel: out_proj(0.5 m) = 0.5 (W m) + b.
+    torch.nn.init.zeros_(gated.gate_proj.weight)
+    half = plain.out_proj(0.5 * merged)
+    torch.testing.assert_close(gated(x, ctx), half, atol=1e-5, rtol=0)
+    assert "output_gate=True" in repr(gated)
+
+
+def test_output_gate_works_on_every_path_and_trains():
+    attn = make(output_gate=True)
+    x, ctx = inputs()
+    sdpa = attn(x, ctx)
+    attn.use_sdpa = False
+    explicit, weights = attn(x, ctx, need_weights=True)
+    torch.testing.assert_close(sdpa, explicit, atol=1e-5, rtol=0)
+    index = torch.tensor([0, 0, 1])  # three query rows over two shared contexts
+    shared = attn(x, ctx[:2], context_index=index)
+    torch.testing.assert_close(shared, attn(x, ctx[index]), atol=1e-5, rtol=0)
+    attn(x, ctx).square().sum().backward()
+    assert attn.gate_proj.weight.grad is not None and attn.gate_proj.weight.grad.abs().sum() > 0
+
+
+def test_pruning_a_gated_attention_removes_those_heads_and_their_gates():
+    attn = make(output_gate=True)
+    x, ctx = inputs()
+    q = attn._split_heads(attn.q_proj(x))
+    kv = attn.project_context(ctx)
+    per_head, _ = attention_core(q, kv.key, kv.value)  # (B, H, Lq, hd)
+    per_head[:, [1, 3]] = 0
+    merged = per_head.transpose(1, 2).reshape(3, 5, 32) * torch.sigmoid(attn.gate_proj(x))
+    expected = attn.out_proj(merged)
+    attn.prune_heads([1, 3])
+    assert attn.gate_proj.weight.shape == (16, 32)
+    torch.testing.assert_close(attn(x, ctx), expected, atol=1e-5, rtol=0)
+
+
+def test_output_gate_reaches_the_model_and_survives_save_and_load(tmp_path):
+    model, batch = make_model(output_gate=True, text_self_attention=True)
+    for block in model.fusion.blocks:
+        assert block.self_attn.gate_proj is not None and block.cross_attn.gate_proj is not None
+    directory = model.eval().save_pretrained(tmp_path / "m")
+    loaded = VLFuseModel.from_pretrained(directory)
+    assert loaded.config.output_gate
+    torch.testing.assert_close(logits(loaded, batch), logits(model, batch), atol=0, rtol=0)
+    old = asdict(tiny_config())
+    del old["output_gate"]  # a config.json from before this option
+    assert not VLFuseConfig.from_dict(old).output_gate

@@ -48,6 +48,8 @@ class VLFuseConfig:
             similarity of the cross-attention heads' distributions, averaged over layers) added to
             the training loss; 0 (default) turns it off. When on, every fusion layer takes the
             explicit attention path in training, to materialise its weights.
+        output_gate: the fusion attentions multiply each head's output by a sigmoid gate computed
+            from the query token (see :class:`~vlfuse.layers.CrossAttention`).
         pruned_heads: ``{layer: [original head ids]}`` removed from each fusion layer's
             cross-attention (filled by pruning; layers as strings for JSON).
     """
@@ -64,6 +66,7 @@ class VLFuseConfig:
     gated: bool = True
     attention_normalizer: Literal["softmax", "leaky_relu"] = "softmax"
     diversity_weight: float = 0.0
+    output_gate: bool = False
     pruned_heads: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
@@ -147,6 +150,7 @@ class VLFuseModel(nn.Module):
             self_attention=config.text_self_attention,
             gated=config.gated,
             attention_normalizer=config.attention_normalizer,
+            output_gate=config.output_gate,
         )
         self.head = nn.Sequential(nn.LayerNorm(d), nn.Dropout(config.dropout), nn.Linear(d, len(self.answers)))
         self._apply_pruning(config.pruned_heads)

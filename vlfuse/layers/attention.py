@@ -160,6 +160,11 @@ class CrossAttention(nn.Module):
         bias: whether the projections have biases.
         normalizer: how scores become weights: ``"softmax"`` (the fast SDPA path), or
             ``"leaky_relu"`` (:func:`leaky_relu_normalize`; always the explicit path).
+        output_gate: multiply each head's output, channel by channel, by a sigmoid gate computed
+            from the query token, ``sigmoid(x W_g + b_g)``, before the output projection (the
+            query-dependent output gate of Qiu et al., 2025, "Gated Attention for Large Language
+            Models"). It lets a query scale what it read by what it asked, a multiplicative
+            interaction a plain residual sum must otherwise learn through the MLP.
 
     The key and value projections are fused into one ``kv_proj`` matrix product. Heads can be
     removed for real with :meth:`prune_heads`, which slices the projection weights so that the
@@ -176,6 +181,7 @@ class CrossAttention(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         normalizer: Normalizer = "softmax",
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         if normalizer not in NORMALIZERS:
@@ -198,6 +204,7 @@ class CrossAttention(nn.Module):
         self.q_proj = nn.Linear(dim, inner, bias=bias)
         self.kv_proj = nn.Linear(self.kv_dim, 2 * inner, bias=bias)  # rows: [keys; values]
         self.out_proj = nn.Linear(inner, dim, bias=bias)
+        self.gate_proj = nn.Linear(dim, inner) if output_gate else None
         self.reset_parameters()
 
     @property
@@ -220,6 +227,17 @@ class CrossAttention(nn.Module):
         for linear in (self.q_proj, self.kv_proj, self.out_proj):
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
+        if self.gate_proj is not None:
+            nn.init.xavier_uniform_(self.gate_proj.weight)
+            nn.init.zeros_(self.gate_proj.bias)  # gates start near 0.5 on average
+
+    def _merge_heads(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Heads' outputs ``(B, H, Lq, hd)`` -> ``(B, Lq, dim)``: concatenate, gate, project."""
+        b, _, lq, _ = out.shape
+        merged = out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim)  # (B, Lq, H * hd)
+        if self.gate_proj is not None:
+            merged = merged * torch.sigmoid(self.gate_proj(x))
+        return self.out_proj(merged)
 
     def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
         b, length, _ = t.shape
@@ -320,7 +338,7 @@ class CrossAttention(nn.Module):
         if groups is not None:
             out = groups.ungroup(out, lq)
             weights = None if weights is None else groups.ungroup(weights, lq)
-        out = self.out_proj(out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim))  # (B, Lq, dim)
+        out = self._merge_heads(out, x)  # (B, Lq, dim)
         if empty_rows is not None:
             out = out.masked_fill(empty_rows[:, None, None], 0.0)
             if weights is not None:
@@ -349,7 +367,7 @@ class CrossAttention(nn.Module):
                 )
             if kv.mask is None and self.normalizer == "softmax" and not need_weights:
                 out = local_self_attention(q, kv.key, kv.value, attention_mask, dropout_p=dropout_p)
-                return self.out_proj(out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim))
+                return self._merge_heads(out, x)
             attention_mask = attention_mask.dense(x.device)
         elif attention_mask.dtype != torch.bool or attention_mask.shape != (lq, lk):
             raise ValueError(
@@ -364,7 +382,7 @@ class CrossAttention(nn.Module):
             q, kv.key, kv.value, mask, dropout_p=dropout_p, use_sdpa=self.use_sdpa,
             need_weights=need_weights, normalizer=self.normalizer,
         )
-        out = self.out_proj(out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim))  # (B, Lq, dim)
+        out = self._merge_heads(out, x)  # (B, Lq, dim)
         if not bool(has_key.all()):
             out = out.masked_fill(~has_key[..., None], 0.0)
             weights = None if weights is None else weights.masked_fill(~has_key[:, None, :, None], 0.0)
@@ -406,6 +424,8 @@ class CrossAttention(nn.Module):
         self.q_proj = _slice_linear(self.q_proj, rows, dim=0)
         self.kv_proj = _slice_linear(self.kv_proj, torch.cat([rows, rows + inner]), dim=0)
         self.out_proj = _slice_linear(self.out_proj, rows, dim=1)
+        if self.gate_proj is not None:
+            self.gate_proj = _slice_linear(self.gate_proj, rows, dim=0)
         self.head_ids = [self.head_ids[i] for i in keep]
 
     @classmethod
@@ -437,7 +457,9 @@ class CrossAttention(nn.Module):
 
     def extra_repr(self) -> str:
         text = f"dim={self.dim}, kv_dim={self.kv_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
-        return text if self.normalizer == "softmax" else f"{text}, normalizer={self.normalizer}"
+        if self.normalizer != "softmax":
+            text += f", normalizer={self.normalizer}"
+        return text + (", output_gate=True" if self.gate_proj is not None else "")
 
 
 def _slice_linear(linear: nn.Linear, index: torch.Tensor, dim: int) -> nn.Linear:

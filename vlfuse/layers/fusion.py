@@ -30,6 +30,8 @@ class FusionBlock(nn.Module):
         gated: multiply the cross-attention and MLP branches by tanh gates initialised to 0.
         attention_normalizer: ``"softmax"`` or ``"leaky_relu"``, for both attentions (see
             :class:`~vlfuse.layers.attention.CrossAttention`).
+        output_gate: both attentions gate their heads' outputs by the query (see
+            :class:`~vlfuse.layers.attention.CrossAttention`).
     """
 
     def __init__(
@@ -44,9 +46,10 @@ class FusionBlock(nn.Module):
         self_attention: bool = True,
         gated: bool = True,
         attention_normalizer: Normalizer = "softmax",
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
-        attention = dict(dropout=attn_dropout, normalizer=attention_normalizer)
+        attention = dict(dropout=attn_dropout, normalizer=attention_normalizer, output_gate=output_gate)
         self.self_attn = CrossAttention(dim, num_heads, **attention) if self_attention else None
         self.norm_self = nn.LayerNorm(dim) if self_attention else None
         self.norm_cross = nn.LayerNorm(dim)
