@@ -297,14 +297,15 @@ def test_pruning_a_gated_attention_removes_those_heads_and_their_gates():
     torch.testing.assert_close(attn(x, ctx), expected, atol=1e-5, rtol=0)
 
 
-def test_output_gate_reaches_the_model_and_survives_save_and_load(tmp_path):
-    model, batch = make_model(output_gate=True, text_self_attention=True)
+def test_output_gate_and_swiglu_reach_the_model_and_survive_save_and_load(tmp_path):
+    model, batch = make_model(output_gate=True, mlp_type="swiglu", text_self_attention=True)
     for block in model.fusion.blocks:
         assert block.self_attn.gate_proj is not None and block.cross_attn.gate_proj is not None
     directory = model.eval().save_pretrained(tmp_path / "m")
     loaded = VLFuseModel.from_pretrained(directory)
-    assert loaded.config.output_gate
+    assert loaded.config.output_gate and loaded.config.mlp_type == "swiglu"
     torch.testing.assert_close(logits(loaded, batch), logits(model, batch), atol=0, rtol=0)
     old = asdict(tiny_config())
-    del old["output_gate"]  # a config.json from before this option
-    assert not VLFuseConfig.from_dict(old).output_gate
+    del old["output_gate"], old["mlp_type"]  # a config.json from before these options
+    config = VLFuseConfig.from_dict(old)
+    assert not config.output_gate and config.mlp_type == "gelu"

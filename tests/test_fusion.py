@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from vlfuse import FusionBlock, FusionStack
+from vlfuse.layers import SwiGLU
 
 
 def data(b=2, lt=6, li=9, dim=32, kv_dim=24, seed=0):
@@ -105,3 +106,26 @@ def test_stack_argument_errors():
         stack(x, kvs=stack.project_context(img)[:1])
     with pytest.raises(ValueError, match="depth"):
         FusionStack(0, 32)
+
+
+def test_swiglu_mlp_follows_its_definition():
+    torch.manual_seed(0)
+    mlp = SwiGLU(32, 48)
+    x, _ = data()
+    w_a, w_b = mlp.inner.weight.split(48)
+    b_a, b_b = mlp.inner.bias.split(48)
+    expected = mlp.out(torch.nn.functional.silu(x @ w_a.T + b_a) * (x @ w_b.T + b_b))
+    torch.testing.assert_close(mlp(x), expected)
+
+
+@pytest.mark.parametrize("mlp_type, inner_width", [("gelu", 64), ("swiglu", 128)])
+def test_block_builds_the_mlp_asked_for_and_trains(mlp_type, inner_width):
+    torch.manual_seed(0)
+    block = FusionBlock(32, 4, kv_dim=24, mlp_ratio=2.0, gated=False, mlp_type=mlp_type)
+    first = block.mlp.inner if mlp_type == "swiglu" else block.mlp[0]
+    assert first.out_features == inner_width
+    x, img = data()
+    block(x, img).square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in block.mlp.parameters())
+    with pytest.raises(ValueError, match="mlp_type must be one of"):
+        FusionBlock(32, 4, mlp_type="relu")

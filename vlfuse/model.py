@@ -50,6 +50,8 @@ class VLFuseConfig:
             explicit attention path in training, to materialise its weights.
         output_gate: the fusion attentions multiply each head's output by a sigmoid gate computed
             from the query token (see :class:`~vlfuse.layers.CrossAttention`).
+        mlp_type: the fusion MLPs: ``gelu`` (Linear-GELU-Linear) or ``swiglu`` (gated, see
+            :class:`~vlfuse.layers.SwiGLU`).
         pruned_heads: ``{layer: [original head ids]}`` removed from each fusion layer's
             cross-attention (filled by pruning; layers as strings for JSON).
     """
@@ -67,6 +69,7 @@ class VLFuseConfig:
     attention_normalizer: Literal["softmax", "leaky_relu"] = "softmax"
     diversity_weight: float = 0.0
     output_gate: bool = False
+    mlp_type: Literal["gelu", "swiglu"] = "gelu"
     pruned_heads: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
@@ -151,6 +154,7 @@ class VLFuseModel(nn.Module):
             gated=config.gated,
             attention_normalizer=config.attention_normalizer,
             output_gate=config.output_gate,
+            mlp_type=config.mlp_type,
         )
         self.head = nn.Sequential(nn.LayerNorm(d), nn.Dropout(config.dropout), nn.Linear(d, len(self.answers)))
         self._apply_pruning(config.pruned_heads)

@@ -2,7 +2,7 @@
 
 from vlfuse.layers.attention import CrossAttention, ProjectedContext, attention_core, leaky_relu_normalize
 from vlfuse.layers.diversity import head_diversity
-from vlfuse.layers.fusion import FusionBlock, FusionStack
+from vlfuse.layers.fusion import FusionBlock, FusionStack, SwiGLU
 from vlfuse.layers.local_attention import (
     LocalLayout,
     block_sparse,
@@ -20,6 +20,7 @@ __all__ = [
     "FusionStack",
     "LocalLayout",
     "ProjectedContext",
+    "SwiGLU",
     "attention_core",
     "block_sparse",
     "block_sparse_mask",

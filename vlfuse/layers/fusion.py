@@ -10,6 +10,39 @@ from torch import nn
 from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext
 from vlfuse.layers.local_attention import LocalLayout
 
+MLP_TYPES = ("gelu", "swiglu")
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP ``W_out (silu(x W_a) * (x W_b))`` (Shazeer, 2020, "GLU Variants Improve Transformer").
+
+    The product of two projections of the same token gives the MLP multiplicative interactions
+    between its features (e.g. "the question is negated" times "the colour asked about is there").
+
+    Args:
+        dim: input and output width.
+        hidden: width of each of the two inner projections.
+    """
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(dim, 2 * hidden)  # rows: [W_a; W_b]
+        self.out = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.inner(x).chunk(2, dim=-1)  # each (..., hidden)
+        return self.out(nn.functional.silu(gate) * value)
+
+
+def build_mlp(dim: int, mlp_ratio: float, mlp_type: str) -> nn.Module:
+    """The feed-forward branch of a fusion block: ``gelu`` (Linear-GELU-Linear) or ``swiglu``."""
+    hidden = int(dim * mlp_ratio)
+    if mlp_type == "gelu":
+        return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+    if mlp_type == "swiglu":
+        return SwiGLU(dim, hidden)
+    raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got {mlp_type!r}")
+
 
 class FusionBlock(nn.Module):
     """Pre-LayerNorm fusion block for text queries over image keys/values.
@@ -32,6 +65,8 @@ class FusionBlock(nn.Module):
             :class:`~vlfuse.layers.attention.CrossAttention`).
         output_gate: both attentions gate their heads' outputs by the query (see
             :class:`~vlfuse.layers.attention.CrossAttention`).
+        mlp_type: ``"gelu"`` (Linear-GELU-Linear) or ``"swiglu"`` (:class:`SwiGLU`, with two inner
+            projections of the same hidden width).
     """
 
     def __init__(
@@ -47,6 +82,7 @@ class FusionBlock(nn.Module):
         gated: bool = True,
         attention_normalizer: Normalizer = "softmax",
         output_gate: bool = False,
+        mlp_type: str = "gelu",
     ) -> None:
         super().__init__()
         attention = dict(dropout=attn_dropout, normalizer=attention_normalizer, output_gate=output_gate)
@@ -55,8 +91,7 @@ class FusionBlock(nn.Module):
         self.norm_cross = nn.LayerNorm(dim)
         self.cross_attn = CrossAttention(dim, num_heads, kv_dim=kv_dim, **attention)
         self.norm_mlp = nn.LayerNorm(dim)
-        hidden = int(dim * mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.mlp = build_mlp(dim, mlp_ratio, mlp_type)
         self.drop = nn.Dropout(dropout)
         self.gate_attn = nn.Parameter(torch.zeros(1)) if gated else None
         self.gate_mlp = nn.Parameter(torch.zeros(1)) if gated else None
