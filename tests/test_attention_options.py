@@ -305,6 +305,11 @@ def test_output_gate_and_swiglu_reach_the_model_and_survive_save_and_load(tmp_pa
     loaded = VLFuseModel.from_pretrained(directory)
     assert loaded.config.output_gate and loaded.config.mlp_type == "swiglu"
     torch.testing.assert_close(logits(loaded, batch), logits(model, batch), atol=0, rtol=0)
+    loaded.prune_heads({0: [1, 5], 1: [0]})  # the gate rows go with their heads, and stay gone
+    pruned = loaded.save_pretrained(tmp_path / "pruned")
+    reloaded = VLFuseModel.from_pretrained(pruned)
+    assert reloaded.fusion.blocks[0].cross_attn.gate_proj.weight.shape[0] == 14 * reloaded.fusion.blocks[0].cross_attn.head_dim
+    torch.testing.assert_close(logits(reloaded, batch), logits(loaded, batch), atol=0, rtol=0)
     old = asdict(tiny_config())
     del old["output_gate"], old["mlp_type"]  # a config.json from before these options
     config = VLFuseConfig.from_dict(old)
