@@ -248,6 +248,16 @@ def test_training_logs_the_head_diversity(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the output gate
+def concatenated_heads(attn, x, ctx, zeroed_heads=()):
+    """Reference: the heads' outputs by hand, ``zeroed_heads`` set to 0, concatenated: (B, Lq, H * hd)."""
+    q = attn._split_heads(attn.q_proj(x))
+    kv = attn.project_context(ctx)
+    per_head, _ = attention_core(q, kv.key, kv.value)  # (B, H, Lq, hd)
+    per_head[:, list(zeroed_heads)] = 0
+    b, h, lq, hd = per_head.shape
+    return per_head.transpose(1, 2).reshape(b, lq, h * hd)
+
+
 def test_output_gate_multiplies_each_channel_by_a_sigmoid_of_the_query():
     gated = make(output_gate=True)
     x, ctx = inputs()
@@ -256,10 +266,7 @@ def test_output_gate_multiplies_each_channel_by_a_sigmoid_of_the_query():
     plain.load_state_dict(shared)  # the same q/kv/out projections, no gate
     assert gated.gate_proj is not None and plain.gate_proj is None
     # Reference: the heads' concatenated outputs times sigmoid(x W_g + b_g), then out_proj.
-    q = plain._split_heads(plain.q_proj(x))
-    kv = plain.project_context(ctx)
-    per_head, _ = attention_core(q, kv.key, kv.value)  # (B, H, Lq, hd)
-    merged = per_head.transpose(1, 2).reshape(3, 5, 32)
+    merged = concatenated_heads(plain, x, ctx)
     expected = plain.out_proj(merged * torch.sigmoid(gated.gate_proj(x)))
     torch.testing.assert_close(gated(x, ctx), expected, atol=1e-5, rtol=0)
     # A zero gate projection halves every channel: out_proj(0.5 m) = 0.5 (W m) + b.
@@ -286,11 +293,7 @@ def test_output_gate_works_on_every_path_and_trains():
 def test_pruning_a_gated_attention_removes_those_heads_and_their_gates():
     attn = make(output_gate=True)
     x, ctx = inputs()
-    q = attn._split_heads(attn.q_proj(x))
-    kv = attn.project_context(ctx)
-    per_head, _ = attention_core(q, kv.key, kv.value)  # (B, H, Lq, hd)
-    per_head[:, [1, 3]] = 0
-    merged = per_head.transpose(1, 2).reshape(3, 5, 32) * torch.sigmoid(attn.gate_proj(x))
+    merged = concatenated_heads(attn, x, ctx, zeroed_heads=[1, 3]) * torch.sigmoid(attn.gate_proj(x))
     expected = attn.out_proj(merged)
     attn.prune_heads([1, 3])
     assert attn.gate_proj.weight.shape == (16, 32)

@@ -40,7 +40,6 @@ from vlfuse.lit import VLFuseLitModule
 from vlfuse.model import VLFuseModel
 
 SCORES = ("weight_norm", "gradient", "ablation")
-"""A Lightning checkpoint of the pruned model, written next to it, for ``vlfuse test --ckpt_path``."""
 
 
 # ------------------------------------------------------------------------------ fine-tuning
