@@ -82,6 +82,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model, batches = load_model_and_batches(args.config, args.batches, args.batch_size)
+    if model.fusion is None:
+        parser.error(f"{args.config} builds a model without fusion blocks (readout 'map_program'): nothing to split")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with torch.no_grad():
         cached = [

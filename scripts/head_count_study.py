@@ -1,7 +1,7 @@
 """Train one config with several head counts (or attention options) and seeds; tabulate and plot.
 
     .venv/bin/python scripts/head_count_study.py --config configs/easy_vqa.yaml --study heads
-    .venv/bin/python scripts/head_count_study.py --config configs/shapes.yaml --study normalizer --epochs 10
+    .venv/bin/python scripts/head_count_study.py --config configs/shapes_pool.yaml --study normalizer --epochs 10
     .venv/bin/python scripts/head_count_study.py --config configs/easy_vqa.yaml --study heads -- --data.init_args.batch_size=64
 
 Studies (``--study``): ``heads`` (``fusion_heads`` in ``--heads``, default 1 2 4 8 16), ``dropout``

@@ -28,8 +28,12 @@ def tiny_config(**overrides) -> VLFuseConfig:
     return VLFuseConfig(**fields)
 
 
-def tiny_cli_args(root: Path, limit_images: int = 8) -> list[str]:
-    """Command-line overrides that shrink any config to a tiny model on a few images."""
+def tiny_cli_args(root: Path, limit_images: int = 8, *, map_program: bool = False) -> list[str]:
+    """Command-line overrides that shrink any config to a tiny model on a few images.
+
+    ``map_program``: the config's readout is ``map_program``, which needs text and fusion depth 0.
+    """
+    depth = 0 if map_program else 1
     return [
         "--model.architecture.image.image_size=32",
         "--model.architecture.image.patch_size=8",
@@ -37,10 +41,10 @@ def tiny_cli_args(root: Path, limit_images: int = 8) -> list[str]:
         "--model.architecture.image.depth=1",
         "--model.architecture.image.num_heads=2",
         "--model.architecture.text.width=32",
-        "--model.architecture.text.depth=1",
+        f"--model.architecture.text.depth={depth}",
         "--model.architecture.text.num_heads=2",
         "--model.architecture.fusion_dim=32",
-        "--model.architecture.fusion_depth=1",
+        f"--model.architecture.fusion_depth={depth}",
         f"--data.init_args.limit_images={limit_images}",
         "--data.init_args.batch_size=4",
         "--data.init_args.num_workers=0",

@@ -16,7 +16,7 @@ from vlfuse.model import VLFuseModel
 from conftest import REPO, SHARED, tiny_config
 
 EASY_VQA = REPO / "configs" / "easy_vqa.yaml"
-SHAPES = REPO / "configs" / "shapes.yaml"
+SHAPES = REPO / "configs" / "shapes_pool.yaml"  # a model with fusion heads to analyse
 PRUNED = {0: [1, 5]}  # layer 0 keeps 14 of its 16 heads
 
 

@@ -21,9 +21,11 @@ from vlfuse.encoders import (
     load_tokenizer,
     scratch_config,
 )
-from vlfuse.layers import FusionStack, ProjectedContext, head_diversity
+from vlfuse.layers import FusionStack, MapProgramReader, ProjectedContext, head_diversity
+from vlfuse.layers.map_program import ExistenceClassifier
 
 FORMAT_VERSION = 1
+READOUTS = ("pool", "map_program")
 WEIGHTS_FILE, CONFIG_FILE, ANSWERS_FILE, TOKENIZER_DIR = "model.safetensors", "config.json", "answers.json", "tokenizer"
 
 
@@ -35,7 +37,7 @@ class VLFuseConfig:
         image: the image encoder.
         text: the text encoder.
         fusion_dim: width of the fusion stack (both encoders are projected to it).
-        fusion_depth: number of fusion blocks.
+        fusion_depth: number of fusion blocks (0, and only 0, with the ``map_program`` readout).
         fusion_heads: attention heads per fusion block.
         mlp_ratio: hidden width of the fusion MLPs as a multiple of ``fusion_dim``.
         dropout: dropout on the fusion residual branches and before the classifier.
@@ -52,6 +54,11 @@ class VLFuseConfig:
             from the query token (see :class:`~vlfuse.layers.CrossAttention`).
         mlp_type: the fusion MLPs: ``gelu`` (Linear-GELU-Linear) or ``swiglu`` (gated, see
             :class:`~vlfuse.layers.SwiGLU`).
+        readout: how the fused question tokens become answer scores: ``pool`` (mean over the
+            question's tokens, then a linear classifier: any answer vocabulary) or ``map_program``
+            (:class:`~vlfuse.layers.MapProgramReader`: the question's word embeddings, right to
+            left, run as a program over the image patches, for two-answer existence questions such
+            as SHAPES; needs ``fusion_depth`` 0 and, for a from-scratch text encoder, ``depth`` 0).
         pruned_heads: ``{layer: [original head ids]}`` removed from each fusion layer's
             cross-attention (filled by pruning; layers as strings for JSON).
     """
@@ -70,6 +77,7 @@ class VLFuseConfig:
     diversity_weight: float = 0.0
     output_gate: bool = False
     mlp_type: Literal["gelu", "swiglu"] = "gelu"
+    readout: Literal["pool", "map_program"] = "pool"
     pruned_heads: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
@@ -82,6 +90,24 @@ class VLFuseConfig:
         image = ImageEncoderConfig(**data.pop("image", {}))
         text = TextEncoderConfig(**data.pop("text", {}))
         return cls(image=image, text=text, **data)
+
+
+def _check_map_program(config: VLFuseConfig, answers: Sequence[str]) -> None:
+    """The ``map_program`` readout: no fusion blocks, no unused encoder layers, two answers."""
+    if config.fusion_depth != 0:
+        raise ValueError(
+            "readout 'map_program' reads the question's word embeddings, with no fusion blocks: "
+            f"set fusion_depth to 0 (got {config.fusion_depth})"
+        )
+    if config.text.name is None and config.text.depth != 0:
+        raise ValueError(
+            "readout 'map_program' reads the question's word embeddings, not the encoder's layers: "
+            f"set text.depth to 0 for a from-scratch text encoder (got {config.text.depth})"
+        )
+    if len(answers) != 2:
+        raise ValueError(
+            f"readout 'map_program' answers existence questions with two answers (e.g. false/true), got {len(answers)}"
+        )
 
 
 @dataclass
@@ -107,7 +133,9 @@ class VLFuseModel(nn.Module):
 
     Image tokens (timm ViT) and question tokens (transformers encoder) are projected to
     ``fusion_dim``; a stack of fusion blocks lets each question token attend to the image; the
-    fused question tokens are mean-pooled over real tokens and classified over ``answers``.
+    fused question tokens are mean-pooled over real tokens and classified over ``answers``
+    (``readout="pool"``), or run as a program over the image patches by a
+    :class:`~vlfuse.layers.MapProgramReader` (``readout="map_program"``).
 
     Args:
         config: the architecture.
@@ -133,6 +161,10 @@ class VLFuseModel(nn.Module):
             raise ValueError(f"need at least 2 answers, got {len(answers)}")
         if config.diversity_weight < 0:
             raise ValueError(f"diversity_weight must be >= 0, got {config.diversity_weight}")
+        if config.readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {config.readout!r}")
+        if config.readout == "map_program":
+            _check_map_program(config, answers)
         self.config = config
         self.answers = list(answers)
         self.tokenizer = tokenizer
@@ -143,7 +175,7 @@ class VLFuseModel(nn.Module):
         d = config.fusion_dim
         self.image_proj = nn.Linear(self.image_encoder.width, d)
         self.text_proj = nn.Linear(self.text_encoder.width, d)
-        self.fusion = FusionStack(
+        self.fusion = None if config.readout == "map_program" else FusionStack(
             config.fusion_depth,
             d,
             config.fusion_heads,
@@ -156,7 +188,15 @@ class VLFuseModel(nn.Module):
             output_gate=config.output_gate,
             mlp_type=config.mlp_type,
         )
-        self.head = nn.Sequential(nn.LayerNorm(d), nn.Dropout(config.dropout), nn.Linear(d, len(self.answers)))
+        if config.readout == "map_program":
+            # word embeddings start tiny (std 0.02), under text_proj's bias: normalise them first,
+            # or every word reaches the reader as nearly the same vector
+            self.word_norm = nn.LayerNorm(self.text_encoder.width)
+            self.reader = MapProgramReader(d, self.image_encoder.grid_size)
+            self.head = ExistenceClassifier()
+        else:
+            self.reader = None
+            self.head = nn.Sequential(nn.LayerNorm(d), nn.Dropout(config.dropout), nn.Linear(d, len(self.answers)))
         self._apply_pruning(config.pruned_heads)
 
     @classmethod
@@ -182,8 +222,14 @@ class VLFuseModel(nn.Module):
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
     def encode_images(self, pixel_values: torch.Tensor) -> list[ProjectedContext]:
-        """Images (Bi, 3, S, S) in [0, 1] -> per-layer keys/values, reusable for many questions."""
+        """Images (Bi, 3, S, S) in [0, 1] -> per-layer keys/values, reusable for many questions.
+
+        With the ``map_program`` readout (no fusion layers), the one entry is the reader's patch
+        keys (prefix tokens such as CLS left out).
+        """
         tokens = self.image_proj(self.image_encoder(pixel_values))  # (Bi, Li, fusion_dim)
+        if self.reader is not None:
+            return [self.reader.project_context(tokens[:, self.image_encoder.num_prefix_tokens :])]
         return self.fusion.project_context(tokens)
 
     def encode_questions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -223,8 +269,14 @@ class VLFuseModel(nn.Module):
         if image_kvs is None:
             image_kvs = self.encode_images(pixel_values)
         text_mask = attention_mask.bool()
-        text = self.text_proj(self.encode_questions(input_ids, attention_mask))  # (Bq, Lt, fusion_dim)
         wanted = set(weights_from)
+        if self.reader is not None:
+            if wanted:
+                raise ValueError(f"weights_from={sorted(wanted)}, but this model has no fusion layers (readout 'map_program')")
+            words = self.text_proj(self.word_norm(self.text_encoder.embed_words(input_ids)))  # (Bq, Lt, fusion_dim)
+            evidence = self.reader(words, text_mask, image_kvs[0], image_index)  # (Bq,)
+            return VLFuseOutput(self.head(evidence), {}, text_mask)
+        text = self.text_proj(self.encode_questions(input_ids, attention_mask))  # (Bq, Lt, fusion_dim)
         # The diversity penalty needs every layer's weights: only then do all layers leave SDPA.
         diversity_layers = range(len(self.fusion)) if self.training and self.config.diversity_weight > 0 else ()
         fused, attentions = self.fusion(
@@ -243,7 +295,14 @@ class VLFuseModel(nn.Module):
         return VLFuseOutput(self.head(pooled), attentions, text_mask, diversity)
 
     # ----------------------------------------------------------------------------- head pruning
+    @property
+    def num_fusion_layers(self) -> int:
+        """Number of fusion blocks (0 for the ``map_program`` readout, which has none)."""
+        return 0 if self.fusion is None else len(self.fusion)
+
     def _apply_pruning(self, pruned_heads: dict[str, list[int]]) -> None:
+        if pruned_heads and self.fusion is None:
+            raise ValueError("pruned_heads given, but this model has no fusion layers (readout 'map_program')")
         for layer, heads in pruned_heads.items():
             index = int(layer)
             if not 0 <= index < len(self.fusion):
@@ -252,6 +311,8 @@ class VLFuseModel(nn.Module):
 
     def prune_heads(self, heads: dict[int, Iterable[int]]) -> None:
         """Remove cross-attention heads for real: ``{layer: original head ids}``; recorded in the config."""
+        if self.fusion is None:
+            raise ValueError("this model has no fusion heads to prune (readout 'map_program')")
         for layer, ids in heads.items():
             self.fusion.blocks[int(layer)].cross_attn.prune_heads(ids)
         self.config.pruned_heads = {

@@ -175,7 +175,7 @@ class Predictor:
             raise ValueError(f"top_k must be in [1, {len(self.answers)}] (the number of answers), got {top_k}")
         if errors not in ERROR_POLICIES:
             raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
-        depth = len(self.model.fusion)
+        depth = self.model.num_fusion_layers
         if attention_maps is None:
             if attention_layers is not None or attention_token is not None:
                 raise ValueError("attention_layers and attention_token need attention_maps (the directory to write to)")

@@ -191,6 +191,8 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--finetune-epochs must be at least 0, got {args.finetune_epochs}")
     config = read_config(args.config)
     model = VLFuseModel.from_pretrained(args.model)
+    if model.num_fusion_layers == 0:
+        raise ValueError(f"{args.model} has no fusion heads to prune (readout 'map_program')")
     datamodule = build_datamodule(args.config, overrides)
     # Fine-tuning trains on the datamodule's labels (scoring and evaluation use the model's answers).
     if args.finetune_epochs and datamodule.answers != model.answers:

@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     datamodule = build_datamodule(args.config, overrides)
     model = VLFuseModel.from_pretrained(args.model, map_location=device)
+    if model.num_fusion_layers == 0:
+        raise ValueError(f"{args.model} has no fusion heads to analyse (readout 'map_program')")
     batches = load_batches(datamodule, model, args.split, args.max_batches)
     context = {"model": args.model, "config": args.config, "split": args.split, "device": device}
     path = analyze(model, batches, args.out, fractions=args.fractions, context=context)

@@ -81,6 +81,10 @@ class TextEncoder(nn.Module):
     def width(self) -> int:
         return self.model.config.hidden_size
 
+    def embed_words(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` (B, L) -> the encoder's word embeddings (B, L, width): no position, no context."""
+        return self.model.get_input_embeddings()(input_ids)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``input_ids``, ``attention_mask`` (B, L) -> hidden states (B, L, width)."""
         return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

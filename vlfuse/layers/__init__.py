@@ -13,12 +13,14 @@ from vlfuse.layers.local_attention import (
     sliding_window,
     sliding_window_mask,
 )
+from vlfuse.layers.map_program import MapProgramReader
 
 __all__ = [
     "CrossAttention",
     "FusionBlock",
     "FusionStack",
     "LocalLayout",
+    "MapProgramReader",
     "ProjectedContext",
     "SwiGLU",
     "attention_core",

@@ -28,12 +28,13 @@ class ProjectedContext:
 
     Attributes:
         key: ``(B, H, Lk, hd)`` projected keys.
-        value: ``(B, H, Lk, hd)`` projected values.
+        value: ``(B, H, Lk, hd)`` projected values; ``None`` for a context that is only scored
+            (:class:`~vlfuse.layers.MapProgramReader`).
         mask: optional ``(B, Lk)`` boolean mask, True where a key may be attended.
     """
 
     key: torch.Tensor
-    value: torch.Tensor
+    value: torch.Tensor | None
     mask: torch.Tensor | None = None
 
     @property

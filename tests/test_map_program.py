@@ -1,0 +1,199 @@
+"""MapProgramReader: offsets, the three operations on hand-set weights, padding, and the model readout."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
+from vlfuse.layers import MapProgramReader
+from vlfuse.layers.map_program import OPERATIONS, relative_offsets
+from vlfuse.model import VLFuseConfig, VLFuseModel
+
+DIM = 8
+SHARP = 60.0  # large enough that every softmax and sigmoid below is one-hot / 0-1 to float precision
+# Token features (one-hot): what each dimension makes a token do in the hand-set reader.
+FIND_X, FIND_Y, MOVE_RIGHT, MOVE_DOWN, KEEP = range(5)
+
+
+def test_relative_offsets_index_source_minus_target():
+    index = relative_offsets(3, 3)  # 5 x 5 offsets, (0, 0) is index 12
+    assert index.shape == (9, 9)
+    assert torch.all(index.diagonal() == 12)
+    assert index[4, 5] == 13  # source one column right of the target
+    assert index[4, 3] == 11  # one column left
+    assert index[4, 1] == 7  # one row up
+    assert index[0, 8] == 24 and index[8, 0] == 0  # the far corners
+    assert relative_offsets(2, 4).max() == 3 * 7 - 1
+
+
+def offset_index(d_row: int, d_col: int, rows: int = 3, cols: int = 3) -> int:
+    return (d_row + rows - 1) * (2 * cols - 1) + d_col + cols - 1
+
+
+def hand_set_reader() -> MapProgramReader:
+    """A reader whose tokens do exactly one thing each (see the FIND_X... constants)."""
+    reader = MapProgramReader(DIM, (3, 3))
+    with torch.no_grad():
+        for layer in (reader.find_query[0], reader.find_key[0], reader.operation, reader.move):
+            layer.weight.zero_()
+            layer.bias.zero_()
+        # find: query dims (0, 1) score key dims (0, 1), (2, 3) score (2, 3); a patch's key is
+        # (x, -x, y, -y, 0, ...) with x, y = +1 in the set X, Y, -1 out of it: zero mean, so the
+        # QK-norm only rescales it, and its gain makes the score sharp
+        reader.find_query[0].weight[0, FIND_X] = reader.find_query[0].weight[2, FIND_Y] = 1.0
+        reader.find_query[0].weight[1, FIND_X] = reader.find_query[0].weight[3, FIND_Y] = -1.0
+        reader.find_key[0].weight[0, 0] = reader.find_key[0].weight[2, 1] = 1.0
+        reader.find_key[0].weight[1, 0] = reader.find_key[0].weight[3, 1] = -1.0
+        reader.find_query[1].weight.fill_(SHARP)
+        reader.find_key[1].weight.fill_(1.0)
+        keep, intersect, move = (OPERATIONS.index(name) for name in ("keep", "intersect", "move"))
+        reader.operation.weight[intersect, FIND_X] = reader.operation.weight[intersect, FIND_Y] = SHARP
+        reader.operation.weight[move, MOVE_RIGHT] = reader.operation.weight[move, MOVE_DOWN] = SHARP
+        reader.operation.weight[keep, KEEP] = SHARP
+        # "right of Y" holds the patches whose left neighbour is in Y: the source is one column left
+        reader.move.weight[offset_index(0, -1), MOVE_RIGHT] = SHARP
+        reader.move.weight[offset_index(-1, 0), MOVE_DOWN] = SHARP
+    return reader
+
+
+def tokens_for(program: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.zeros(1, length, DIM)
+    for t, kind in enumerate(program):
+        tokens[0, t, kind] = 1.0
+    mask = torch.zeros(1, length, dtype=torch.bool)
+    mask[0, : len(program)] = True
+    return tokens, mask
+
+
+def shift(cells: np.ndarray, d_row: int, d_col: int) -> np.ndarray:
+    """Move a (3, 3) boolean set by (d_row, d_col); what leaves the grid is dropped."""
+    out = np.zeros_like(cells)
+    for r, c in zip(*np.nonzero(cells)):
+        if 0 <= r + d_row < 3 and 0 <= c + d_col < 3:
+            out[r + d_row, c + d_col] = True
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hand_set_reader_runs_the_program_right_to_left(seed):
+    """[find X, move right, move down, find Y] = X and below(right_of(Y)), checked by hand."""
+    rng = np.random.default_rng(seed)
+    x_cells, y_cells = rng.random((3, 3)) < 0.4, rng.random((3, 3)) < 0.4
+    patches = torch.tensor(np.stack([x_cells.ravel(), y_cells.ravel()], -1), dtype=torch.float32) * 2 - 1
+    patches = torch.cat([patches, torch.zeros(9, DIM - 2)], -1)[None]  # (1, 9, DIM)
+    reader = hand_set_reader()
+    tokens, mask = tokens_for([FIND_X, MOVE_DOWN, MOVE_RIGHT, KEEP, FIND_Y], length=7)  # 2 padding tokens
+    with torch.no_grad():
+        evidence, maps = reader(tokens, mask, reader.project_context(patches), return_maps=True)
+    expected = x_cells & shift(shift(y_cells, 0, 1), 1, 0)
+    assert maps.shape == (1, 7, 9)
+    np.testing.assert_allclose(maps[0, 0].numpy(), expected.ravel().astype(np.float32), atol=1e-4)
+    np.testing.assert_allclose(maps[0, 4].numpy(), y_cells.ravel().astype(np.float32), atol=1e-4)  # first step
+    assert torch.equal(maps[0, 5], torch.ones(9)) and torch.equal(maps[0, 6], torch.ones(9))  # padding: untouched
+    # evidence: log of the set's size (>= log 1 when not empty, far below 0 when empty)
+    assert evidence.item() == pytest.approx(math.log(expected.sum()) if expected.any() else evidence.item(), abs=1e-3)
+    assert (evidence.item() > -1e-3) == expected.any() and (evidence.item() < -20) == (not expected.any())
+
+
+def test_shared_images_give_the_same_evidence_as_copies():
+    torch.manual_seed(0)
+    reader = MapProgramReader(DIM, (3, 3))
+    patches = torch.randn(2, 9, DIM)
+    tokens, mask = torch.randn(3, 5, DIM), torch.ones(3, 5, dtype=torch.bool)
+    index = torch.tensor([1, 0, 1])
+    shared = reader(tokens, mask, reader.project_context(patches), index)
+    copied = reader(tokens, mask, reader.project_context(patches[index]))
+    torch.testing.assert_close(shared, copied)
+    with pytest.raises(ValueError, match="pass image_index"):
+        reader(tokens, mask, reader.project_context(patches))
+
+
+def test_wrong_grid_is_named():
+    reader = MapProgramReader(DIM, (3, 3))
+    with pytest.raises(ValueError, match="3x3 patch grid"):
+        reader.project_context(torch.randn(1, 10, DIM))
+
+
+def tiny_config(**overrides) -> VLFuseConfig:
+    settings = dict(
+        image=ImageEncoderConfig(image_size=32, patch_size=8, width=32, depth=1, num_heads=2),
+        text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16),
+        fusion_dim=32,
+        fusion_depth=0,
+        fusion_heads=4,
+        readout="map_program",
+    )
+    return VLFuseConfig(**{**settings, **overrides})
+
+
+QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a circle red"]
+
+
+def test_model_with_map_readout_trains_saves_and_reloads(tmp_path):
+    torch.manual_seed(0)
+    model = VLFuseModel.from_config(tiny_config(), ["false", "true"], QUESTIONS)
+    assert model.reader.grid_size == (4, 4) and model.fusion is None and model.num_fusion_layers == 0
+    batch = model.tokenize(QUESTIONS)
+    pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
+    out = model(pixels, batch["input_ids"], batch["attention_mask"], image_index=index)
+    assert out.logits.shape == (3, 2)
+    out.logits[:, 1].sum().backward()
+    assert model.reader.find_key[0].weight.grad.abs().sum() > 0  # the image reaches the answer through the reader
+    assert model.text_encoder.model.get_input_embeddings().weight.grad.abs().sum() > 0  # and the words
+    assert model.image_encoder.vit.patch_embed.proj.weight.grad.abs().sum() > 0
+    model.save_pretrained(tmp_path / "m")
+    loaded = VLFuseModel.from_pretrained(tmp_path / "m")
+    model.eval()
+    torch.testing.assert_close(
+        loaded(pixels, batch["input_ids"], batch["attention_mask"], image_index=index).logits,
+        model(pixels, batch["input_ids"], batch["attention_mask"], image_index=index).logits,
+    )
+    assert loaded.config.readout == "map_program"
+
+
+def test_unknown_readout_and_fusion_blocks_with_the_reader_are_refused():
+    with pytest.raises(ValueError, match="readout must be one of"):
+        VLFuseModel.from_config(tiny_config(readout="max", fusion_depth=1), ["no", "yes"], QUESTIONS)
+    with pytest.raises(ValueError, match="set fusion_depth to 0"):
+        VLFuseModel.from_config(tiny_config(fusion_depth=2), ["no", "yes"], QUESTIONS)
+    with pytest.raises(ValueError, match="set text.depth to 0"):
+        VLFuseModel.from_config(
+            tiny_config(text=TextEncoderConfig(width=32, depth=2, num_heads=2)), ["no", "yes"], QUESTIONS
+        )
+    with pytest.raises(ValueError, match="two answers"):
+        VLFuseModel.from_config(tiny_config(), ["red", "green", "blue"], QUESTIONS)
+
+
+def test_reader_model_refuses_what_needs_fusion_heads():
+    model = VLFuseModel.from_config(tiny_config(), ["false", "true"], QUESTIONS)
+    batch = model.tokenize(QUESTIONS[:1])
+    with pytest.raises(ValueError, match="no fusion layers"):
+        model(torch.rand(1, 3, 32, 32), batch["input_ids"], batch["attention_mask"], weights_from=[0])
+    with pytest.raises(ValueError, match="no fusion heads to prune"):
+        model.prune_heads({0: [1]})
+
+
+def test_evidence_is_the_log_size_of_the_set_and_keeps_a_gradient_when_nearly_empty():
+    reader = MapProgramReader(DIM, (3, 3))
+    with torch.no_grad():
+        for layer in (reader.find_query[0], reader.find_key[0], reader.operation):
+            layer.weight.zero_()
+            layer.bias.zero_()
+        reader.operation.bias[OPERATIONS.index("intersect")] = SHARP
+    patches = torch.zeros(1, 9, DIM)
+    for score in (0.0, -25.0):
+        with torch.no_grad():  # every query and key normalises to (1, -1, 0, ...) * 2: score = gain * 8 / sqrt(8)
+            reader.find_query[0].bias.copy_(torch.tensor([1.0, -1.0] + [0.0] * (DIM - 2)))
+            reader.find_key[0].bias.copy_(torch.tensor([1.0, -1.0] + [0.0] * (DIM - 2)))
+            reader.find_query[1].weight.fill_(1.0)
+            reader.find_key[1].weight.fill_(score / (4 * 2 / DIM**0.5) if score else 0.0)
+        reader.zero_grad()
+        evidence = reader(torch.zeros(1, 4, DIM), torch.ones(1, 4, dtype=torch.bool), reader.project_context(patches))
+        # four intersections with the same find on 9 patches: log(9 * sigmoid(score)^4)
+        expected = math.log(9) + 4 * torch.nn.functional.logsigmoid(torch.tensor(score, dtype=torch.float64)).item()
+        assert evidence.item() == pytest.approx(expected, rel=2e-4)  # LayerNorm eps: scores a hair short
+        evidence.sum().backward()
+        assert reader.find_key[1].weight.grad.abs().sum() > 0
+    assert evidence.item() < -95  # a map of sigmoid(-25)^4 = 1e-43 per patch: below float32's normal range
