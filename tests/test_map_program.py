@@ -175,6 +175,21 @@ def test_reader_model_refuses_what_needs_fusion_heads():
         model.prune_heads({0: [1]})
 
 
+def test_predictor_answers_with_a_reader_model_and_refuses_attention_maps(tmp_path):
+    from PIL import Image
+
+    from vlfuse.predict import Predictor
+
+    torch.manual_seed(0)
+    model = VLFuseModel.from_config(tiny_config(), ["false", "true"], QUESTIONS)
+    predictor = Predictor(model)
+    images = [Image.new("RGB", (32, 32), colour) for colour in ("red", "blue")]
+    answers = predictor.predict(images, QUESTIONS[:2])
+    assert [a["answer"] in ("false", "true") for a in answers] == [True, True]
+    with pytest.raises(ValueError, match="no fusion layers"):
+        predictor.predict(images, QUESTIONS[:2], attention_maps=tmp_path)
+
+
 def test_evidence_is_the_log_size_of_the_set_and_keeps_a_gradient_when_nearly_empty():
     reader = MapProgramReader(DIM, (3, 3))
     with torch.no_grad():

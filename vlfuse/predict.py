@@ -180,6 +180,8 @@ class Predictor:
             if attention_layers is not None or attention_token is not None:
                 raise ValueError("attention_layers and attention_token need attention_maps (the directory to write to)")
             return []
+        if depth == 0:
+            raise ValueError("attention_maps asked for, but this model has no fusion layers (readout 'map_program')")
         layers = list(range(depth)) if attention_layers is None else sorted(set(attention_layers))
         bad = [layer for layer in layers if not 0 <= layer < depth]
         if bad:
@@ -281,7 +283,7 @@ class Predictor:
         pixels = torch.stack(list(new.values())).to(self.device)  # (Bi, 3, S, S)
         kvs = self.model.encode_images(pixels)  # per layer: (Bi, H, Li, hd)
         for i, key in enumerate(new):
-            own = [ProjectedContext(kv.key[i : i + 1], kv.value[i : i + 1]) for kv in kvs]  # (1, H, Li, hd) views
+            own = [_image_row(kv, i) for kv in kvs]  # (1, H, Li, hd) views
             encoded[key] = _EncodedImage(pixels[i], own)
 
     def _answer(
@@ -337,12 +339,20 @@ class Predictor:
         return result
 
 
+def _image_row(kv: ProjectedContext, i: int) -> ProjectedContext:
+    """Image ``i`` of a batch of keys/values, as a batch of one (views, no copy)."""
+    value = None if kv.value is None else kv.value[i : i + 1]  # the map reader's context has no values
+    return ProjectedContext(kv.key[i : i + 1], value)
+
+
 def _stack_kvs(per_image: list[list[ProjectedContext]]) -> list[ProjectedContext]:
     """Per-image keys/values (batch 1 each) -> one :class:`ProjectedContext` per layer, ``(Bi, H, Li, hd)``."""
-    layers = range(len(per_image[0]))
-    keys = [torch.cat([image[layer].key for image in per_image]) for layer in layers]
-    values = [torch.cat([image[layer].value for image in per_image]) for layer in layers]
-    return [ProjectedContext(key, value) for key, value in zip(keys, values)]
+    stacked = []
+    for layer in range(len(per_image[0])):
+        key = torch.cat([image[layer].key for image in per_image])
+        values = [image[layer].value for image in per_image]
+        stacked.append(ProjectedContext(key, None if values[0] is None else torch.cat(values)))
+    return stacked
 
 
 class _AttentionWriter:
