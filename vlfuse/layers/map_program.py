@@ -29,9 +29,9 @@ def relative_offsets(rows: int, cols: int) -> torch.Tensor:
 class MapProgramReader(nn.Module):
     """Answers an existence question by reading its tokens as a program over image patches.
 
-    Tokens are layer-normalised first. The reader holds a map ``m`` (one value in [0, 1] per patch of the image grid), full at the
-    start. Each real question token ``x_t``, from the last to the first, applies a soft mix
-    (weights ``softmax(W_op x_t)``) of three operations:
+    Tokens are layer-normalised first. The reader holds a map ``m`` (one value in [0, 1] per patch
+    of the image grid), full at the start. Each real question token ``x_t``, from the last to the
+    first, applies a soft mix (weights ``softmax(W_op x_t)``) of three operations:
 
     - **keep**: ``m``;
     - **intersect**: ``m * find_t``, with ``find_t[c] = sigmoid(q_t . k_c / sqrt(dim))`` the patches
