@@ -281,3 +281,21 @@ def test_reader_answers_new_compositions_of_known_words():
         accuracy = (scores(ids, mask, cells).argmax(-1) == labels).float().mean().item()
     assert len(held_out) == 36 and not set(held_out) & set(train)
     assert accuracy > 0.95, f"held-out accuracy {accuracy:.3f}"
+
+
+@pytest.mark.parametrize(
+    "command, message",
+    [(["analyze"], "no fusion heads to analyse"), (["prune", "--score", "weight_norm", "--fraction", "0.5"], "no fusion heads to prune")],
+)
+def test_analyze_and_prune_refuse_a_reader_model_in_one_line(tmp_path, capsys, command, message):
+    from vlfuse.cli import main as vlfuse_main
+
+    from conftest import REPO
+
+    model = VLFuseModel.from_config(tiny_config(), ["false", "true"], QUESTIONS)
+    model.save_pretrained(tmp_path / "model")
+    args = [*command, "--model", str(tmp_path / "model"), "--config", str(REPO / "configs" / "easy_vqa.yaml")]
+    args += ["--out", str(tmp_path / "out")]
+    assert vlfuse_main(args) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("vlfuse: error:") and message in error
