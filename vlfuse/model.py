@@ -54,8 +54,8 @@ class VLFuseConfig:
             from the query token (see :class:`~vlfuse.layers.CrossAttention`).
         mlp_type: the fusion MLPs: ``gelu`` (Linear-GELU-Linear) or ``swiglu`` (gated, see
             :class:`~vlfuse.layers.SwiGLU`).
-        readout: how the fused question tokens become answer scores: ``pool`` (mean over the
-            question's tokens, then a linear classifier: any answer vocabulary) or ``map_program``
+        readout: how the question becomes answer scores: ``pool`` (mean over the fused
+            question tokens, then a linear classifier: any answer vocabulary) or ``map_program``
             (:class:`~vlfuse.layers.MapProgramReader`: the question's word embeddings, right to
             left, run as a program over the image patches, for two-answer existence questions such
             as SHAPES; needs ``fusion_depth`` 0 and, for a from-scratch text encoder, ``depth`` 0).
