@@ -299,3 +299,15 @@ def test_analyze_and_prune_refuse_a_reader_model_in_one_line(tmp_path, capsys, c
     assert vlfuse_main(args) == 2
     error = capsys.readouterr().err
     assert error.startswith("vlfuse: error:") and message in error
+
+
+def test_operations_and_offset_steps_describe_each_token():
+    reader = hand_set_reader()
+    tokens, _ = tokens_for([FIND_X, MOVE_RIGHT, MOVE_DOWN, KEEP], length=4)
+    with torch.no_grad():
+        weights, offsets = reader.operations(tokens)
+    assert [OPERATIONS[i] for i in weights[0].argmax(-1).tolist()] == ["intersect", "move", "move", "keep"]
+    steps = reader.offset_steps()
+    assert len(steps) == 25 and steps[12] == (0, 0)
+    assert steps[int(offsets[0, 1].argmax())] == (0, 1)  # "right of": the set moves one column right
+    assert steps[int(offsets[0, 2].argmax())] == (1, 0)  # "below": one row down

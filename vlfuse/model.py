@@ -246,6 +246,13 @@ class VLFuseModel(nn.Module):
         ids, mask = distinct.split(input_ids.shape[1], dim=1)
         return self.text_encoder(ids, mask)[inverse]
 
+    def reader_words(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``(Bq, Lt)`` token ids -> what the ``map_program`` reader reads, ``(Bq, Lt, fusion_dim)``:
+        the word embeddings, layer-normalised and projected (no position, no context)."""
+        if self.reader is None:
+            raise ValueError("reader_words needs the 'map_program' readout")
+        return self.text_proj(self.word_norm(self.text_encoder.embed_words(input_ids)))
+
     def forward(
         self,
         pixel_values: torch.Tensor | None,
@@ -273,8 +280,7 @@ class VLFuseModel(nn.Module):
         if self.reader is not None:
             if wanted:
                 raise ValueError(f"weights_from={sorted(wanted)}, but this model has no fusion layers (readout 'map_program')")
-            words = self.text_proj(self.word_norm(self.text_encoder.embed_words(input_ids)))  # (Bq, Lt, fusion_dim)
-            evidence = self.reader(words, text_mask, image_kvs[0], image_index)  # (Bq,)
+            evidence = self.reader(self.reader_words(input_ids), text_mask, image_kvs[0], image_index)  # (Bq,)
             return VLFuseOutput(self.head(evidence), {}, text_mask)
         text = self.text_proj(self.encode_questions(input_ids, attention_mask))  # (Bq, Lt, fusion_dim)
         # The diversity penalty needs every layer's weights: only then do all layers leave SDPA.

@@ -86,6 +86,25 @@ class MapProgramReader(nn.Module):
             )
         return ProjectedContext(key=self.find_key(patches).unsqueeze(1), value=None)
 
+    def _log_operations(self, normed_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-weights of keep/intersect/move ``(..., 3)`` and log-probabilities of the offsets."""
+        return self.operation(normed_tokens).log_softmax(-1), self.move(normed_tokens).log_softmax(-1)
+
+    def operations(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each token does, whatever the image: ``(weights (..., 3), offsets (..., n_offsets))``.
+
+        ``weights`` are the keep/intersect/move mix (:data:`OPERATIONS` order); ``offsets`` the
+        move's distribution over relative offsets (see :func:`relative_offsets` for the order).
+        """
+        weights, offsets = self._log_operations(self.token_norm(tokens))
+        return weights.exp(), offsets.exp()
+
+    def offset_steps(self) -> list[tuple[int, int]]:
+        """``(rows, cols)`` moved by each offset index: a token with offset ``(dr, dc)`` reads each
+        patch's new value from the patch ``(dr, dc)`` away, so the set moves by ``(-dr, -dc)``."""
+        rows, cols = self.grid_size
+        return [(-dr, -dc) for dr in range(-(rows - 1), rows) for dc in range(-(cols - 1), cols)]
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -113,8 +132,7 @@ class MapProgramReader(nn.Module):
         tokens = self.token_norm(tokens)  # word embeddings start tiny (std 0.02): give every word unit scale
         scores = torch.einsum("btd,bnd->btn", self.find_query(tokens), keys) / math.sqrt(self.dim)  # (B, Lt, N)
         log_find = F.logsigmoid(scores)
-        log_weights = self.operation(tokens).log_softmax(-1)  # (B, Lt, 3): keep, intersect, move
-        log_offsets = self.move(tokens).log_softmax(-1)  # (B, Lt, n_offsets)
+        log_weights, log_offsets = self._log_operations(tokens)
         log_map = tokens.new_zeros(tokens.shape[0], self.num_patches)  # log 1: every patch
         maps = []
         for t in reversed(range(tokens.shape[1])):  # one step per token: the program is sequential
