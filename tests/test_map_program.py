@@ -233,7 +233,7 @@ def test_reader_answers_new_compositions_of_known_words():
     The held-out questions combine words that each occur in training, never together in this
     form: in training "above" moves colours but never a shape, and is never applied twice.
     """
-    from vlfuse.data.shapes import COLOURS, RELATIONS, SHAPES, evaluate, format_query, parse_query, sample_scenes, to_english
+    from vlfuse.data.shapes import COLOURS, RELATIONS, SHAPES, evaluate, parse_query, sample_scenes, to_english
 
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
