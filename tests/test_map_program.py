@@ -6,10 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
+from vlfuse.data.shapes import COLOURS, RELATIONS, SHAPES, evaluate, parse_query, sample_scenes, to_english
+from vlfuse.data.shapes import _shift as shift  # the dataset's own relation semantics
+from vlfuse.encoders import TextEncoderConfig
 from vlfuse.layers import MapProgramReader
 from vlfuse.layers.map_program import OPERATIONS, ExistenceClassifier, relative_offsets
 from vlfuse.model import VLFuseConfig, VLFuseModel
+
+from conftest import REPO, tiny_config
 
 DIM = 8
 SHARP = 60.0  # large enough that every softmax and sigmoid below is one-hot / 0-1 to float precision
@@ -67,15 +71,6 @@ def tokens_for(program: list[int], length: int) -> tuple[torch.Tensor, torch.Ten
     return tokens, mask
 
 
-def shift(cells: np.ndarray, d_row: int, d_col: int) -> np.ndarray:
-    """Move a (3, 3) boolean set by (d_row, d_col); what leaves the grid is dropped."""
-    out = np.zeros_like(cells)
-    for r, c in zip(*np.nonzero(cells)):
-        if 0 <= r + d_row < 3 and 0 <= c + d_col < 3:
-            out[r + d_row, c + d_col] = True
-    return out
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_hand_set_reader_runs_the_program_right_to_left(seed):
     """[find X, move right, move down, find Y] = X and below(right_of(Y)), checked by hand."""
@@ -87,7 +82,7 @@ def test_hand_set_reader_runs_the_program_right_to_left(seed):
     tokens, mask = tokens_for([FIND_X, MOVE_DOWN, MOVE_RIGHT, KEEP, FIND_Y], length=7)  # 2 padding tokens
     with torch.no_grad():
         evidence, maps = reader(tokens, mask, reader.project_context(patches), return_maps=True)
-    expected = x_cells & shift(shift(y_cells, 0, 1), 1, 0)
+    expected = x_cells & shift(shift(y_cells, *RELATIONS["right_of"]), *RELATIONS["below"])
     assert maps.shape == (1, 7, 9)
     np.testing.assert_allclose(maps[0, 0].numpy(), expected.ravel().astype(np.float32), atol=1e-4)
     np.testing.assert_allclose(maps[0, 4].numpy(), y_cells.ravel().astype(np.float32), atol=1e-4)  # first step
@@ -116,16 +111,12 @@ def test_wrong_grid_is_named():
         reader.project_context(torch.randn(1, 10, DIM))
 
 
-def tiny_config(**overrides) -> VLFuseConfig:
+def reader_config(**overrides) -> VLFuseConfig:
+    """conftest's tiny model with the map-program readout (no fusion blocks, text depth 0)."""
     settings = dict(
-        image=ImageEncoderConfig(image_size=32, patch_size=8, width=32, depth=1, num_heads=2),
-        text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16),
-        fusion_dim=32,
-        fusion_depth=0,
-        fusion_heads=4,
-        readout="map_program",
+        text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16), fusion_depth=0, readout="map_program"
     )
-    return VLFuseConfig(**{**settings, **overrides})
+    return tiny_config(**{**settings, **overrides})
 
 
 QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a circle red"]
@@ -133,7 +124,7 @@ QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a ci
 
 def test_model_with_map_readout_trains_saves_and_reloads(tmp_path):
     torch.manual_seed(0)
-    model = VLFuseModel.from_config(tiny_config(), ["false", "true"], QUESTIONS)
+    model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS)
     assert model.reader.grid_size == (4, 4) and model.fusion is None and model.num_fusion_layers == 0
     batch = model.tokenize(QUESTIONS)
     pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
@@ -155,19 +146,19 @@ def test_model_with_map_readout_trains_saves_and_reloads(tmp_path):
 
 def test_unknown_readout_and_fusion_blocks_with_the_reader_are_refused():
     with pytest.raises(ValueError, match="readout must be one of"):
-        VLFuseModel.from_config(tiny_config(readout="max", fusion_depth=1), ["no", "yes"], QUESTIONS)
+        VLFuseModel.from_config(reader_config(readout="max", fusion_depth=1), ["no", "yes"], QUESTIONS)
     with pytest.raises(ValueError, match="set fusion_depth to 0"):
-        VLFuseModel.from_config(tiny_config(fusion_depth=2), ["no", "yes"], QUESTIONS)
+        VLFuseModel.from_config(reader_config(fusion_depth=2), ["no", "yes"], QUESTIONS)
     with pytest.raises(ValueError, match="set text.depth to 0"):
         VLFuseModel.from_config(
-            tiny_config(text=TextEncoderConfig(width=32, depth=2, num_heads=2)), ["no", "yes"], QUESTIONS
+            reader_config(text=TextEncoderConfig(width=32, depth=2, num_heads=2)), ["no", "yes"], QUESTIONS
         )
     with pytest.raises(ValueError, match="two answers"):
-        VLFuseModel.from_config(tiny_config(), ["red", "green", "blue"], QUESTIONS)
+        VLFuseModel.from_config(reader_config(), ["red", "green", "blue"], QUESTIONS)
 
 
 def test_reader_model_refuses_what_needs_fusion_heads():
-    model = VLFuseModel.from_config(tiny_config(), ["false", "true"], QUESTIONS)
+    model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS)
     batch = model.tokenize(QUESTIONS[:1])
     with pytest.raises(ValueError, match="no fusion layers"):
         model(torch.rand(1, 3, 32, 32), batch["input_ids"], batch["attention_mask"], weights_from=[0])
@@ -181,7 +172,7 @@ def test_predictor_answers_with_a_reader_model_and_refuses_attention_maps(tmp_pa
     from vlfuse.predict import Predictor
 
     torch.manual_seed(0)
-    model = VLFuseModel.from_config(tiny_config(), ["false", "true"], QUESTIONS)
+    model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS)
     predictor = Predictor(model)
     images = [Image.new("RGB", (32, 32), colour) for colour in ("red", "blue")]
     answers = predictor.predict(images, QUESTIONS[:2])
@@ -216,8 +207,6 @@ def test_evidence_is_the_log_size_of_the_set_and_keeps_a_gradient_when_nearly_em
 
 def scene_cells(scene) -> torch.Tensor:
     """A SHAPES scene -> (9, 7) cell features: one-hot colour, one-hot shape, empty."""
-    from vlfuse.data.shapes import COLOURS, SHAPES
-
     cells = torch.zeros(9, 7)
     for i, obj in enumerate(cell for row in scene for cell in row):
         if obj is None:
@@ -233,8 +222,6 @@ def test_reader_answers_new_compositions_of_known_words():
     The held-out questions combine words that each occur in training, never together in this
     form: in training "above" moves colours but never a shape, and is never applied twice.
     """
-    from vlfuse.data.shapes import COLOURS, RELATIONS, SHAPES, evaluate, parse_query, sample_scenes, to_english
-
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     words = COLOURS + SHAPES
@@ -290,9 +277,7 @@ def test_reader_answers_new_compositions_of_known_words():
 def test_analyze_and_prune_refuse_a_reader_model_in_one_line(tmp_path, capsys, command, message):
     from vlfuse.cli import main as vlfuse_main
 
-    from conftest import REPO
-
-    model = VLFuseModel.from_config(tiny_config(), ["false", "true"], QUESTIONS)
+    model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS)
     model.save_pretrained(tmp_path / "model")
     args = [*command, "--model", str(tmp_path / "model"), "--config", str(REPO / "configs" / "easy_vqa.yaml")]
     args += ["--out", str(tmp_path / "out")]
