@@ -129,7 +129,7 @@ class MapProgramReader(nn.Module):
             keys = keys[image_index]
         if keys.shape[0] != tokens.shape[0]:
             raise ValueError(f"{tokens.shape[0]} questions but {keys.shape[0]} images; pass image_index")
-        tokens = self.token_norm(tokens)  # word embeddings start tiny (std 0.02): give every word unit scale
+        tokens = self.token_norm(tokens)  # pre-norm: finds and operations see unit-scale tokens
         scores = torch.einsum("btd,bnd->btn", self.find_query(tokens), keys) / math.sqrt(self.dim)  # (B, Lt, N)
         log_find = F.logsigmoid(scores)
         log_weights, log_offsets = self._log_operations(tokens)
@@ -141,7 +141,8 @@ class MapProgramReader(nn.Module):
             options = torch.stack([log_map, log_map + log_find[:, t], log_moved], dim=-1)  # (B, N, 3)
             mixed = torch.logsumexp(options + log_weights[:, t, None, :], dim=-1)
             log_map = torch.where(token_mask[:, t, None], mixed, log_map)
-            maps.append(log_map)
+            if return_maps:
+                maps.append(log_map)
         evidence = torch.logsumexp(log_map, dim=-1)
         if return_maps:
             return evidence, torch.stack(maps[::-1], dim=1).exp()
