@@ -248,3 +248,26 @@ def test_random_shapes_match_torch_and_never_nan(b, lq, lk, heads, head_dim, kv_
     if rows.any():
         expected, _ = mha(x[rows], ctx[rows], ctx[rows], key_padding_mask=~mask[rows])
         torch.testing.assert_close(out[rows], expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("output_gate", [False, True])
+def test_head_mask_zero_equals_pruning_and_per_row_masks_follow_shared_contexts(output_gate):
+    torch.manual_seed(0)
+    attn = CrossAttention(32, 8, kv_dim=24, output_gate=output_gate).eval()
+    x, context = torch.randn(5, 3, 32), torch.randn(2, 7, 24)
+    index = torch.tensor([0, 1, 1, 0, 1])
+    mask = torch.ones(8)
+    mask[[2, 6]] = 0.0
+    masked = attn(x, context, context_index=index, head_mask=mask)
+    pruned = CrossAttention(32, 8, kv_dim=24, output_gate=output_gate).eval()
+    pruned.load_state_dict(attn.state_dict())
+    pruned.prune_heads([2, 6])
+    torch.testing.assert_close(masked, pruned(x, context, context_index=index))
+    # a (B, H) mask: row 1 keeps every head, the other rows lose heads 2 and 6
+    rows = mask.repeat(5, 1)
+    rows[1] = 1.0
+    per_row = attn(x, context, context_index=index, head_mask=rows)
+    torch.testing.assert_close(per_row[1], attn(x, context, context_index=index)[1])
+    torch.testing.assert_close(per_row[[0, 2, 3, 4]], masked[[0, 2, 3, 4]])
+    with pytest.raises(ValueError, match=r"head_mask must have shape \(8,\) or \(5, 8\)"):
+        attn(x, context, context_index=index, head_mask=torch.ones(6))

@@ -129,3 +129,17 @@ def test_block_builds_the_mlp_asked_for_and_trains(mlp_type, inner_width):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in block.mlp.parameters())
     with pytest.raises(ValueError, match="mlp_type must be one of"):
         FusionBlock(32, 4, mlp_type="relu")
+
+
+def test_stack_head_masks_reach_each_layer():
+    torch.manual_seed(0)
+    stack = FusionStack(2, 32, 8, gated=False).eval()
+    x, image = torch.randn(3, 4, 32), torch.randn(3, 6, 32)
+    masks = [torch.ones(8), torch.ones(8)]
+    masks[1][3] = 0.0
+    masked, _ = stack(x, image, head_masks=masks)
+    stack.blocks[1].cross_attn.prune_heads([3])
+    pruned, _ = stack(x, image)
+    torch.testing.assert_close(masked, pruned)
+    with pytest.raises(ValueError, match="head masks for 1 layers, the stack has 2"):
+        stack(x, image, head_masks=[None])

@@ -232,13 +232,24 @@ class CrossAttention(nn.Module):
             nn.init.xavier_uniform_(self.gate_proj.weight)
             nn.init.zeros_(self.gate_proj.bias)  # gates start near 0.5 on average
 
-    def _merge_heads(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Heads' outputs ``(B, H, Lq, hd)`` -> ``(B, Lq, dim)``: concatenate, gate, project."""
+    def _merge_heads(self, out: torch.Tensor, x: torch.Tensor, head_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Heads' outputs ``(B, H, Lq, hd)`` -> ``(B, Lq, dim)``: scale by ``head_mask``, concatenate, gate, project."""
         b, _, lq, _ = out.shape
+        if head_mask is not None:
+            out = out * self._head_mask_view(head_mask, b)  # (B or 1, H, 1, 1) broadcast over tokens
         merged = out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim)  # (B, Lq, H * hd)
         if self.gate_proj is not None:
             merged = merged * torch.sigmoid(self.gate_proj(x))
         return self.out_proj(merged)
+
+    def _head_mask_view(self, head_mask: torch.Tensor, batch: int) -> torch.Tensor:
+        """``(H,)`` or ``(B, H)`` per-head factors -> ``(B or 1, H, 1, 1)``."""
+        if head_mask.shape not in ((self.num_heads,), (batch, self.num_heads)):
+            raise ValueError(
+                f"head_mask must have shape ({self.num_heads},) or ({batch}, {self.num_heads}) "
+                f"(the heads present), got {tuple(head_mask.shape)}"
+            )
+        return head_mask.reshape(-1, self.num_heads, 1, 1)
 
     def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
         b, length, _ = t.shape
@@ -274,6 +285,7 @@ class CrossAttention(nn.Module):
         kv: ProjectedContext | None = None,
         context_index: torch.Tensor | None = None,
         attention_mask: torch.Tensor | LocalLayout | None = None,
+        head_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to ``context``.
 
@@ -296,6 +308,9 @@ class CrossAttention(nn.Module):
                 softmax normaliser and without ``need_weights``, runs through
                 :func:`~vlfuse.layers.local_attention.local_self_attention` (FlexAttention where it
                 can); otherwise the layout's dense mask is used. Not with ``context_index``.
+            head_mask: ``(H,)`` or ``(B, H)`` factors, one per head present (in the order of
+                ``head_ids``), multiplying each head's output before the output projection: 0
+                gives the same output as pruning that head, 1 leaves it; differentiable.
 
         Returns:
             ``(B, Lq, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
@@ -312,6 +327,8 @@ class CrossAttention(nn.Module):
             raise ValueError(f"kv was projected with {kv.key.shape[1]} heads, this layer has {self.num_heads}")
         self._check_context_index(context_index, x.shape[0], kv.batch_size)
         if attention_mask is not None:
+            if head_mask is not None:
+                raise ValueError("head_mask cannot be combined with attention_mask")
             return self._forward_with_attention_mask(x, kv, attention_mask, need_weights, context_index)
 
         mask, empty_rows = None, None
@@ -339,7 +356,7 @@ class CrossAttention(nn.Module):
         if groups is not None:
             out = groups.ungroup(out, lq)
             weights = None if weights is None else groups.ungroup(weights, lq)
-        out = self._merge_heads(out, x)  # (B, Lq, dim)
+        out = self._merge_heads(out, x, head_mask)  # (B, Lq, dim)
         if empty_rows is not None:
             out = out.masked_fill(empty_rows[:, None, None], 0.0)
             if weights is not None:

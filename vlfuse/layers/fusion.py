@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -111,6 +111,7 @@ class FusionBlock(nn.Module):
         context_index: torch.Tensor | None = None,
         need_weights: bool = False,
         self_attention_mask: torch.Tensor | LocalLayout | None = None,
+        head_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Fuse ``x`` ``(B, Lt, dim)`` with image tokens.
 
@@ -123,6 +124,8 @@ class FusionBlock(nn.Module):
             self_attention_mask: an ``(Lt, Lt)`` bool mask or a local layout (e.g.
                 :func:`~vlfuse.layers.local_attention.sliding_window`) for the text self-attention,
                 combined with ``text_mask``.
+            head_mask: ``(H,)`` or ``(B, H)`` factors on the cross-attention heads' outputs (see
+                :meth:`~vlfuse.layers.CrossAttention.forward`).
         """
         if self_attention_mask is not None and self.self_attn is None:
             raise ValueError("self_attention_mask given, but this block has no self-attention (self_attention=False)")
@@ -131,7 +134,8 @@ class FusionBlock(nn.Module):
             x = x + self.drop(self.self_attn(h, h, context_mask=text_mask, attention_mask=self_attention_mask))
         h = self.norm_cross(x)
         attended = self.cross_attn(
-            h, context, context_mask=context_mask, kv=kv, context_index=context_index, need_weights=need_weights
+            h, context, context_mask=context_mask, kv=kv, context_index=context_index, need_weights=need_weights,
+            head_mask=head_mask,
         )
         attended, weights = attended if need_weights else (attended, None)
         x = x + self._gate(self.gate_attn, self.drop(attended))
@@ -170,6 +174,7 @@ class FusionStack(nn.Module):
         image_index: torch.Tensor | None = None,
         weights_from: Iterable[int] = (),
         self_attention_mask: torch.Tensor | LocalLayout | None = None,
+        head_masks: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run every block.
 
@@ -180,6 +185,8 @@ class FusionStack(nn.Module):
             weights_from: layer indices whose cross-attention weights to return; only those
                 layers leave the fast path.
             self_attention_mask: mask or local layout of every block's text self-attention.
+            head_masks: one entry per block, each ``None`` or that block's cross-attention
+                ``head_mask`` (``(H,)`` or ``(B, H)`` over its heads present).
 
         Returns:
             ``(x, {layer: weights (B, H, Lt, Li)})``.
@@ -192,12 +199,16 @@ class FusionStack(nn.Module):
             raise ValueError("pass either context (with context_mask) or kvs, not both")
         if len(kvs) != len(self.blocks):
             raise ValueError(f"got keys/values for {len(kvs)} layers, the stack has {len(self.blocks)}")
+        if head_masks is None:
+            head_masks = [None] * len(self.blocks)
+        elif len(head_masks) != len(self.blocks):
+            raise ValueError(f"got head masks for {len(head_masks)} layers, the stack has {len(self.blocks)}")
         wanted = set(weights_from)
         weights: dict[int, torch.Tensor] = {}
         common = dict(text_mask=text_mask, context_index=image_index, self_attention_mask=self_attention_mask)
-        for i, (block, kv) in enumerate(zip(self.blocks, kvs)):
+        for i, (block, kv, head_mask) in enumerate(zip(self.blocks, kvs, head_masks)):
             if i in wanted:
-                x, weights[i] = block(x, kv=kv, need_weights=True, **common)
+                x, weights[i] = block(x, kv=kv, need_weights=True, head_mask=head_mask, **common)
             else:
-                x = block(x, kv=kv, **common)
+                x = block(x, kv=kv, head_mask=head_mask, **common)
         return x, weights
