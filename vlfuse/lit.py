@@ -205,7 +205,8 @@ class ExportBestModel(Callback):
     """At the end of ``fit``, save the best checkpoint's model with ``save_pretrained``.
 
     Args:
-        dirpath: where to write the model; default ``<log dir>/model``.
+        dirpath: where to write the model; default ``<trainer.default_root_dir>/model`` (for
+            ``configs/easy_vqa.yaml``, ``runs/easy_vqa/model``: a later run replaces it).
     """
 
     def __init__(self, dirpath: str | None = None) -> None:
@@ -219,7 +220,7 @@ class ExportBestModel(Callback):
             state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
             pl_module.load_state_dict(state)
         if trainer.is_global_zero:
-            target = Path(self.dirpath or Path(trainer.log_dir or trainer.default_root_dir) / "model")
+            target = Path(self.dirpath or Path(trainer.default_root_dir) / "model")
             self.exported_to = pl_module.model.save_pretrained(target)
             source = f"best checkpoint {best}" if best else "final weights"
             rank_zero_info(f"vlfuse: saved the model ({source}) to {self.exported_to}")
