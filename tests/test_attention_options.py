@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from vlfuse import CrossAttention, FusionStack
-from vlfuse.layers import attention_core, head_diversity, leaky_relu_normalize
+from vlfuse.layers import OutputGate, attention_core, head_diversity, leaky_relu_normalize, softmax_normalize
 from vlfuse.layers.attention import LEAKY_SLOPE
 from vlfuse.model import VLFuseConfig, VLFuseModel
 
@@ -109,11 +109,31 @@ def test_softmax_default_is_unchanged_and_stays_on_sdpa(monkeypatch):
 
 
 def test_unknown_normaliser_is_refused():
-    with pytest.raises(ValueError, match="normalizer must be one of"):
+    with pytest.raises(ValueError, match=r"normalizer must be one of \('softmax', 'leaky_relu'\), got 'sparsemax'"):
         CrossAttention(32, 4, normalizer="sparsemax")
-    q = torch.randn(1, 1, 2, 4)
-    with pytest.raises(ValueError, match="normalizer"):
-        attention_core(q, q, q, normalizer="relu")
+    with pytest.raises(ValueError, match="normalizer must be one of"):
+        FusionStack(1, 32, 4, attention_normalizer="relu")
+
+
+def test_the_normaliser_is_chosen_once_and_only_softmax_keeps_sdpa(monkeypatch):
+    """The layer holds its normaliser function; the explicit path applies it, SDPA only replaces softmax."""
+    assert make().normalize is softmax_normalize and make(normalizer="leaky_relu").normalize is leaky_relu_normalize
+    q, k, v = torch.randn(3, 2, 4, 5, 8).unbind(0)
+    mask = torch.rand(2, 1, 1, 5, generator=torch.Generator().manual_seed(0)) > 0.3
+    mask[..., 0] = True
+    scores = q @ k.transpose(-2, -1) / 8**0.5
+    for normalize in (softmax_normalize, leaky_relu_normalize):
+        out, w = attention_core(q, k, v, mask, need_weights=True, normalize=normalize)
+        torch.testing.assert_close(w, normalize(scores, mask))
+        torch.testing.assert_close(out, w @ v)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    fast, none = attention_core(q, k, v, mask)
+    assert calls == [1] and none is None
+    torch.testing.assert_close(fast, softmax_normalize(scores, mask) @ v)
+    attention_core(q, k, v, mask, normalize=leaky_relu_normalize)
+    assert calls == [1]  # a normaliser SDPA does not compute takes the explicit path
 
 
 # ----------------------------------------------------------------------------- attention dropout
@@ -267,13 +287,20 @@ def test_output_gate_multiplies_each_channel_by_a_sigmoid_of_the_query():
     assert gated.gate_proj is not None and plain.gate_proj is None
     # Reference: the heads' concatenated outputs times sigmoid(x W_g + b_g), then out_proj.
     merged = concatenated_heads(plain, x, ctx)
-    expected = plain.out_proj(merged * torch.sigmoid(gated.gate_proj(x)))
+    expected = plain.out_proj(merged * torch.sigmoid(x @ gated.gate_proj.weight.T + gated.gate_proj.bias))
     torch.testing.assert_close(gated(x, ctx), expected, atol=1e-5, rtol=0)
     # A zero gate projection halves every channel: out_proj(0.5 m) = 0.5 (W m) + b.
     torch.nn.init.zeros_(gated.gate_proj.weight)
     half = plain.out_proj(0.5 * merged)
     torch.testing.assert_close(gated(x, ctx), half, atol=1e-5, rtol=0)
     assert "output_gate=True" in repr(gated)
+
+
+def test_parameter_names_are_those_of_saved_models():
+    """Saved models (format version 1) name these parameters; the refactored layer must too."""
+    names = ["q_proj.weight", "q_proj.bias", "kv_proj.weight", "kv_proj.bias", "out_proj.weight", "out_proj.bias"]
+    assert list(make().state_dict()) == names
+    assert list(make(output_gate=True, normalizer="leaky_relu").state_dict()) == names + ["gate_proj.weight", "gate_proj.bias"]
 
 
 def test_output_gate_works_on_every_path_and_trains():
@@ -293,10 +320,10 @@ def test_output_gate_works_on_every_path_and_trains():
 def test_pruning_a_gated_attention_removes_those_heads_and_their_gates():
     attn = make(output_gate=True)
     x, ctx = inputs()
-    merged = concatenated_heads(attn, x, ctx, zeroed_heads=[1, 3]) * torch.sigmoid(attn.gate_proj(x))
-    expected = attn.out_proj(merged)
+    gate = torch.sigmoid(x @ attn.gate_proj.weight.T + attn.gate_proj.bias)
+    expected = attn.out_proj(concatenated_heads(attn, x, ctx, zeroed_heads=[1, 3]) * gate)
     attn.prune_heads([1, 3])
-    assert attn.gate_proj.weight.shape == (16, 32)
+    assert attn.gate_proj.weight.shape == (16, 32) and isinstance(attn.gate_proj, OutputGate)
     torch.testing.assert_close(attn(x, ctx), expected, atol=1e-5, rtol=0)
 
 

@@ -1,10 +1,18 @@
 """Attention and fusion layers: plain torch, no data, no encoders, no Lightning."""
 
-from vlfuse.layers.attention import CrossAttention, ProjectedContext, attention_core, leaky_relu_normalize
+from vlfuse.layers.attention import (
+    CrossAttention,
+    OutputGate,
+    ProjectedContext,
+    attention_core,
+    leaky_relu_normalize,
+    softmax_normalize,
+)
 from vlfuse.layers.diversity import head_diversity
 from vlfuse.layers.fusion import FusionBlock, FusionStack, SwiGLU
 from vlfuse.layers.local_attention import (
     LocalLayout,
+    LocalSelfAttention,
     block_sparse,
     block_sparse_mask,
     grid_neighbourhood,
@@ -20,7 +28,9 @@ __all__ = [
     "FusionBlock",
     "FusionStack",
     "LocalLayout",
+    "LocalSelfAttention",
     "MapProgramReader",
+    "OutputGate",
     "ProjectedContext",
     "SwiGLU",
     "attention_core",
@@ -33,4 +43,5 @@ __all__ = [
     "local_self_attention",
     "sliding_window",
     "sliding_window_mask",
+    "softmax_normalize",
 ]

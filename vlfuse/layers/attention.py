@@ -2,22 +2,34 @@
 
 Text tokens are the queries, image tokens the keys and values. All heads are computed at once by
 reshaping ``(B, L, H * hd) -> (B, H, L, hd)``; no Python loop ever runs over heads.
+
+In reading order:
+
+- :class:`ProjectedContext`: keys and values projected once, reusable for many query batches;
+- the normalisers, scores -> weights: :func:`softmax_normalize` (the one SDPA computes) and
+  :func:`leaky_relu_normalize`, by name in :data:`NORMALIZERS`;
+- :func:`attention_core`: ``normalize(Q K^T / sqrt(hd)) V``, through SDPA when it can;
+- :class:`KeyMask`: the one rule for a query that may attend no key;
+- :class:`OutputGate`: the query-dependent output gate;
+- :class:`QueryGroups`: several query rows (questions) sharing one context row (image);
+- :class:`CrossAttention`: the layer.
+
+Local self-attention (sliding window, 2-D neighbourhood, block-sparse, FlexAttention) is
+:class:`~vlfuse.layers.local_attention.LocalSelfAttention`, in its own module.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlfuse.layers.local_attention import LocalLayout, local_self_attention
-
 Normalizer = Literal["softmax", "leaky_relu"]
-NORMALIZERS: tuple[str, ...] = ("softmax", "leaky_relu")
+NormalizeFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 LEAKY_SLOPE = 0.01
 """Negative slope of the ``leaky_relu`` normaliser (``nn.LeakyReLU``'s default)."""
 
@@ -28,18 +40,149 @@ class ProjectedContext:
 
     Attributes:
         key: ``(B, H, Lk, hd)`` projected keys.
-        value: ``(B, H, Lk, hd)`` projected values; ``None`` for a context that is only scored
-            (:class:`~vlfuse.layers.MapProgramReader`).
+        value: ``(B, H, Lk, hd)`` projected values.
         mask: optional ``(B, Lk)`` boolean mask, True where a key may be attended.
     """
 
     key: torch.Tensor
-    value: torch.Tensor | None
+    value: torch.Tensor
     mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return self.key.shape[0]
+
+
+# ------------------------------------------------------------------------------------ normalisers
+def softmax_normalize(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the keys; masked keys get exactly 0 (every query must keep a key: see :class:`KeyMask`).
+
+    Args:
+        scores: ``(..., Lq, Lk)`` attention scores.
+        mask: bool, broadcastable to ``scores``, True where a key may be attended.
+    """
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def leaky_relu_normalize(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention weights from scores through a LeakyReLU instead of an exponential.
+
+    Over the keys a query may attend, with ``a = leaky_relu(s, LEAKY_SLOPE)``::
+
+        w_j = (1 + a_j - min_k a_k) / sum_i (1 + a_i - min_k a_k)
+
+    The row's lowest score maps to 1 before normalisation and each unit of score above it adds
+    1 (``LEAKY_SLOPE`` below 0), so the weights are non-negative, sum to 1 and are uniform when
+    all scores are equal (a new layer starts near uniform, as with softmax); they grow linearly
+    with the scores, where softmax grows exponentially. Negative scores are nearly switched off
+    but, unlike with a ReLU, keep a gradient. The denominator is at least 1, so rows whose scores
+    are all negative or all equal are well defined; a row with no allowed key gets all-zero
+    weights, and every gradient stays finite.
+
+    Args:
+        scores: ``(..., Lq, Lk)`` attention scores.
+        mask: bool, broadcastable to ``scores``, True where a key may be attended.
+
+    Returns:
+        Weights of the shape of ``scores``; masked keys get exactly 0.
+    """
+    a = F.leaky_relu(scores, LEAKY_SLOPE)
+    if mask is None:
+        lifted = 1.0 + a - a.amin(dim=-1, keepdim=True)
+    else:
+        floor = a.masked_fill(~mask, float("inf")).amin(dim=-1, keepdim=True)  # +inf for a row with no key
+        lifted = torch.where(mask, 1.0 + a - floor, 0.0)
+    return lifted / lifted.sum(dim=-1, keepdim=True).clamp_min(1.0)
+
+
+NORMALIZERS: dict[str, NormalizeFn] = {"softmax": softmax_normalize, "leaky_relu": leaky_relu_normalize}
+"""The normalisers a layer can be built with, by name (the ``normalizer=`` of :class:`CrossAttention`)."""
+
+
+def attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+    use_sdpa: bool = True,
+    need_weights: bool = False,
+    normalize: NormalizeFn = softmax_normalize,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``normalize(Q K^T / sqrt(hd)) V`` for all heads at once.
+
+    Args:
+        q: ``(B, H, Lq, hd)``; k, v: ``(B, H, Lk, hd)``.
+        mask: boolean, broadcastable to ``(B, H, Lq, Lk)``, True where a key may be attended.
+            Every query must keep at least one key (:class:`KeyMask` makes sure of it).
+        dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
+        use_sdpa: use ``F.scaled_dot_product_attention`` when it computes the same thing: with
+            :func:`softmax_normalize` and without ``need_weights`` (SDPA does not return weights).
+            Otherwise the explicit matmul-normalise-matmul path runs.
+        need_weights: also return the ``(B, H, Lq, Lk)`` weights (before dropout).
+        normalize: scores -> weights, e.g. :func:`softmax_normalize` or :func:`leaky_relu_normalize`.
+
+    Returns:
+        ``(output (B, H, Lq, hd), weights or None)``.
+    """
+    if use_sdpa and not need_weights and normalize is softmax_normalize:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
+    weights = normalize(scores, mask)
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    return dropped @ v, (weights if need_weights else None)
+
+
+class KeyMask:
+    """Which keys each query may attend, with the one rule for a query that may attend none.
+
+    A softmax over no key is 0/0: NaN in the forward and in the backward pass. A query with no
+    allowed key therefore attends every key (:attr:`attend`, finite everywhere), and
+    :meth:`zero_empty` then sets its output and weights to 0: it gets a zero output and zero,
+    finite gradients, never NaN. Every attention layer of vlfuse goes through this class.
+
+    Args:
+        allowed: ``(B, Lq or 1, Lk)`` bool, True where a query may attend a key.
+
+    Attributes:
+        attend: ``(B, 1, Lq or 1, Lk)`` the mask to attend with (broadcast over the heads).
+        has_key: ``(B, Lq or 1)`` False for the queries with no allowed key.
+    """
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.has_key = allowed.any(dim=-1)  # (B, Lq or 1)
+        self.attend = (allowed | ~self.has_key[..., None])[:, None]  # (B, 1, Lq or 1, Lk)
+
+    def zero_empty(
+        self, out: torch.Tensor, weights: torch.Tensor | None = None, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Zero the output ``(B', Lq, dim)`` and weights ``(B', H, Lq, Lk)`` of the queries with no key.
+
+        ``rows``: ``(B',)`` the mask row of each output row, when they differ (shared contexts).
+        """
+        has_key = self.has_key if rows is None else self.has_key[rows]  # (B', Lq or 1)
+        out = out.masked_fill(~has_key[..., None], 0.0)
+        if weights is not None:
+            weights = weights.masked_fill(~has_key[:, None, :, None], 0.0)
+        return out, weights
+
+
+class OutputGate(nn.Linear):
+    """The query-dependent output gate (Qiu et al., 2025, "Gated Attention for Large Language Models").
+
+    Multiplies the heads' concatenated outputs, channel by channel, by ``sigmoid(x W_g + b_g)``
+    computed from the query token, before the output projection. It lets a query scale what it
+    read by what it asked, a multiplicative interaction a plain residual sum must otherwise learn
+    through the MLP. A ``Linear(dim, H * hd)`` whose forward also takes the merged heads; in a
+    :class:`CrossAttention` it is ``gate_proj`` (the parameter names of saved models).
+    """
+
+    def forward(self, x: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, Lq, dim)`` queries, ``merged`` ``(B, Lq, H * hd)`` heads -> gated ``(B, Lq, H * hd)``."""
+        return merged * torch.sigmoid(super().forward(x))
 
 
 class QueryGroups:
@@ -78,80 +221,13 @@ class QueryGroups:
         return t[self.index, self.slot]
 
 
-def leaky_relu_normalize(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention weights from scores through a LeakyReLU instead of an exponential.
-
-    Over the keys a query may attend, with ``a = leaky_relu(s, LEAKY_SLOPE)``::
-
-        w_j = (1 + a_j - min_k a_k) / sum_i (1 + a_i - min_k a_k)
-
-    The row's lowest score maps to 1 before normalisation and each unit of score above it adds
-    1 (``LEAKY_SLOPE`` below 0), so the weights are non-negative, sum to 1 and are uniform when
-    all scores are equal (a new layer starts near uniform, as with softmax); they grow linearly
-    with the scores, where softmax grows exponentially. Negative scores are nearly switched off
-    but, unlike with a ReLU, keep a gradient. The denominator is at least 1, so rows whose scores
-    are all negative or all equal are well defined; a row with no allowed key gets all-zero
-    weights, and every gradient stays finite.
-
-    Args:
-        scores: ``(..., Lq, Lk)`` attention scores.
-        mask: bool, broadcastable to ``scores``, True where a key may be attended.
-
-    Returns:
-        Weights of the shape of ``scores``; masked keys get exactly 0.
-    """
-    a = F.leaky_relu(scores, LEAKY_SLOPE)
-    if mask is None:
-        lifted = 1.0 + a - a.amin(dim=-1, keepdim=True)
-    else:
-        floor = a.masked_fill(~mask, float("inf")).amin(dim=-1, keepdim=True)  # +inf for a row with no key
-        lifted = torch.where(mask, 1.0 + a - floor, 0.0)
-    return lifted / lifted.sum(dim=-1, keepdim=True).clamp_min(1.0)
-
-
-def attention_core(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    *,
-    dropout_p: float = 0.0,
-    use_sdpa: bool = True,
-    need_weights: bool = False,
-    normalizer: Normalizer = "softmax",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """normalize(Q K^T / sqrt(hd)) V for all heads at once; ``normalize`` is softmax by default.
-
-    Args:
-        q: ``(B, H, Lq, hd)``; k, v: ``(B, H, Lk, hd)``.
-        mask: boolean, broadcastable to ``(B, H, Lq, Lk)``, True where a key may be attended.
-            Every query must keep at least one key (callers handle fully masked rows).
-        dropout_p: dropout on the attention weights (pass 0.0 in eval mode).
-        use_sdpa: use ``F.scaled_dot_product_attention``; ignored when ``need_weights`` is set,
-            since SDPA does not return its weights, and with a normaliser other than softmax.
-        need_weights: also return the ``(B, H, Lq, Lk)`` weights (before dropout).
-        normalizer: ``"softmax"``, or ``"leaky_relu"`` (:func:`leaky_relu_normalize`, explicit path).
-
-    Returns:
-        ``(output (B, H, Lq, hd), weights or None)``.
-    """
-    if use_sdpa and not need_weights and normalizer == "softmax":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Lq, Lk)
-    if normalizer == "leaky_relu":
-        weights = leaky_relu_normalize(scores, mask)
-    elif normalizer == "softmax":
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = scores.softmax(dim=-1)
-    else:
-        raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
-    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    return dropped @ v, (weights if need_weights else None)
-
-
 class CrossAttention(nn.Module):
     """Multi-head attention whose queries come from ``x`` and keys/values from ``context``.
+
+    Keys and values come from one fused ``kv_proj`` product. The core is SDPA; the explicit
+    matmul-normalise-matmul path runs only for a call that asks for the weights, with a normaliser
+    other than softmax, or with ``use_sdpa = False``. :meth:`prune_heads` removes heads for real
+    (the remaining ones cost less); ``head_mask`` switches them off per call.
 
     Args:
         dim: width of the query sequence ``x`` and of the output.
@@ -159,18 +235,13 @@ class CrossAttention(nn.Module):
         kv_dim: width of the context sequence (default: ``dim``).
         dropout: dropout probability on the attention weights, in training mode.
         bias: whether the projections have biases.
-        normalizer: how scores become weights: ``"softmax"`` (the fast SDPA path), or
-            ``"leaky_relu"`` (:func:`leaky_relu_normalize`; always the explicit path).
-        output_gate: multiply each head's output, channel by channel, by a sigmoid gate computed
-            from the query token, ``sigmoid(x W_g + b_g)``, before the output projection (the
-            query-dependent output gate of Qiu et al., 2025, "Gated Attention for Large Language
-            Models"). It lets a query scale what it read by what it asked, a multiplicative
-            interaction a plain residual sum must otherwise learn through the MLP.
+        normalizer: how scores become weights, a name of :data:`NORMALIZERS`: ``"softmax"`` (the
+            SDPA path) or ``"leaky_relu"`` (:func:`leaky_relu_normalize`, explicit path).
+        output_gate: gate the heads' outputs by the query (:class:`OutputGate`, as ``gate_proj``).
 
-    The key and value projections are fused into one ``kv_proj`` matrix product. Heads can be
-    removed for real with :meth:`prune_heads`, which slices the projection weights so that the
-    remaining heads cost less. Set ``use_sdpa = False`` for the explicit
-    matmul-softmax-matmul reference path.
+    Attributes:
+        use_sdpa: set to False for the explicit reference path.
+        head_ids: original indices of the heads still present, in the order of the weight rows.
     """
 
     def __init__(
@@ -186,26 +257,23 @@ class CrossAttention(nn.Module):
     ) -> None:
         super().__init__()
         if normalizer not in NORMALIZERS:
-            raise ValueError(f"normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+            raise ValueError(f"normalizer must be one of {tuple(NORMALIZERS)}, got {normalizer!r}")
         if num_heads < 1:
             raise ValueError(f"num_heads must be at least 1, got {num_heads}")
         if dim % num_heads != 0:
             raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.dim = dim
-        self.kv_dim = dim if kv_dim is None else kv_dim
-        self.head_dim = dim // num_heads
+        self.dim, self.kv_dim, self.head_dim = dim, dim if kv_dim is None else kv_dim, dim // num_heads
         self.dropout = dropout
-        self.normalizer = normalizer
+        self.normalizer, self.normalize = normalizer, NORMALIZERS[normalizer]
         self.use_sdpa = True
-        # Original indices of the heads still present, in the order of the weight rows.
         self.head_ids: list[int] = list(range(num_heads))
         inner = num_heads * self.head_dim
         self.q_proj = nn.Linear(dim, inner, bias=bias)
         self.kv_proj = nn.Linear(self.kv_dim, 2 * inner, bias=bias)  # rows: [keys; values]
         self.out_proj = nn.Linear(inner, dim, bias=bias)
-        self.gate_proj = nn.Linear(dim, inner) if output_gate else None
+        self.gate_proj = OutputGate(dim, inner) if output_gate else None
         self.reset_parameters()
 
     @property
@@ -232,46 +300,9 @@ class CrossAttention(nn.Module):
             nn.init.xavier_uniform_(self.gate_proj.weight)
             nn.init.zeros_(self.gate_proj.bias)  # gates start near 0.5 on average
 
-    def _merge_heads(self, out: torch.Tensor, x: torch.Tensor, head_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Heads' outputs ``(B, H, Lq, hd)`` -> ``(B, Lq, dim)``: scale by ``head_mask``, concatenate, gate, project."""
-        b, _, lq, _ = out.shape
-        if head_mask is not None:
-            out = out * self._head_mask_view(head_mask, b)  # (B or 1, H, 1, 1) broadcast over tokens
-        merged = out.transpose(1, 2).reshape(b, lq, self.num_heads * self.head_dim)  # (B, Lq, H * hd)
-        if self.gate_proj is not None:
-            merged = merged * torch.sigmoid(self.gate_proj(x))
-        return self.out_proj(merged)
-
-    def _head_mask_view(self, head_mask: torch.Tensor, batch: int) -> torch.Tensor:
-        """``(H,)`` or ``(B, H)`` per-head factors -> ``(B or 1, H, 1, 1)``."""
-        if head_mask.shape not in ((self.num_heads,), (batch, self.num_heads)):
-            raise ValueError(
-                f"head_mask must have shape ({self.num_heads},) or ({batch}, {self.num_heads}) "
-                f"(the heads present), got {tuple(head_mask.shape)}"
-            )
-        return head_mask.reshape(-1, self.num_heads, 1, 1)
-
-    def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
-        b, length, _ = t.shape
-        return t.view(b, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
-
-    def _check_context(self, context: torch.Tensor, context_mask: torch.Tensor | None) -> None:
-        if context.dim() != 3:
-            raise ValueError(f"context must be (batch, length, {self.kv_dim}), got shape {tuple(context.shape)}")
-        if context.shape[-1] != self.kv_dim:
-            raise ValueError(f"context has width {context.shape[-1]}, but this layer expects kv_dim={self.kv_dim}")
-        if context_mask is not None:
-            if context_mask.dtype != torch.bool:
-                raise ValueError(f"context_mask must be a bool tensor (True = may attend), got dtype {context_mask.dtype}")
-            if context_mask.shape != context.shape[:2]:
-                raise ValueError(
-                    f"context_mask must have shape (batch, context length) = {tuple(context.shape[:2])}, "
-                    f"got {tuple(context_mask.shape)}"
-                )
-
     def project_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> ProjectedContext:
         """Project ``context`` ``(B, Lk, kv_dim)`` to keys and values once, for reuse across calls."""
-        self._check_context(context, context_mask)
+        _check_context(context, context_mask, self.kv_dim)
         key, value = self.kv_proj(context).chunk(2, dim=-1)  # each (B, Lk, H * hd)
         return ProjectedContext(self._split_heads(key), self._split_heads(value), context_mask)
 
@@ -284,7 +315,6 @@ class CrossAttention(nn.Module):
         need_weights: bool = False,
         kv: ProjectedContext | None = None,
         context_index: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | LocalLayout | None = None,
         head_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``x`` to ``context``.
@@ -293,21 +323,13 @@ class CrossAttention(nn.Module):
             x: ``(B, Lq, dim)`` queries.
             context: ``(Bc, Lk, kv_dim)`` keys/values; omit when ``kv`` is given.
             context_mask: ``(Bc, Lk)`` bool, True where a key may be attended. A query whose keys
-                are all masked gets a zero output (and zero gradients), never NaN.
+                are all masked gets a zero output (and zero gradients), never NaN (:class:`KeyMask`).
             need_weights: also return the per-head attention weights ``(B, H, Lq, Lk)``. Only this
                 call takes the explicit path; other layers keep the fast one.
             kv: keys/values from :meth:`project_context`, instead of ``context``.
             context_index: ``(B,)`` the context row each row of ``x`` attends to, when several
                 rows share one context (e.g. many questions about one image). Default: row i
                 attends to context row i, and ``Bc`` must equal ``B``.
-            attention_mask: which queries may attend which keys, shared by all rows: a bool
-                ``(Lq, Lk)`` tensor (True = may attend), or a
-                :class:`~vlfuse.layers.local_attention.LocalLayout` for local self-attention
-                (``Lq == Lk == layout.length``), combined with ``context_mask``. A query left with
-                no key gets a zero output, never NaN. A layout without ``context_mask``, with the
-                softmax normaliser and without ``need_weights``, runs through
-                :func:`~vlfuse.layers.local_attention.local_self_attention` (FlexAttention where it
-                can); otherwise the layout's dense mask is used. Not with ``context_index``.
             head_mask: ``(H,)`` or ``(B, H)`` factors, one per head present (in the order of
                 ``head_ids``), multiplying each head's output before the output projection: 0
                 gives the same output as pruning that head, 1 leaves it; differentiable.
@@ -317,115 +339,51 @@ class CrossAttention(nn.Module):
         """
         if (context is None) == (kv is None):
             raise ValueError("pass exactly one of context or kv")
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must be (batch, length, {self.dim}), got shape {tuple(x.shape)}")
         if kv is None:
             kv = self.project_context(context, context_mask)
         elif context_mask is not None:
             raise ValueError("context_mask belongs to project_context when kv is given")
-        if kv.key.shape[1] != self.num_heads:
-            raise ValueError(f"kv was projected with {kv.key.shape[1]} heads, this layer has {self.num_heads}")
-        self._check_context_index(context_index, x.shape[0], kv.batch_size)
-        if attention_mask is not None:
-            if head_mask is not None:
-                raise ValueError("head_mask cannot be combined with attention_mask")
-            return self._forward_with_attention_mask(x, kv, attention_mask, need_weights, context_index)
-
-        mask, empty_rows = None, None
-        if kv.mask is not None:
-            has_key = kv.mask.any(dim=-1)  # (Bc,)
-            # Rows with no key would give softmax over nothing (NaN): let them attend everywhere,
-            # then zero their output below so neither the forward nor the backward sees a NaN.
-            mask = (kv.mask | ~has_key[:, None])[:, None, None, :]  # (Bc, 1, 1, Lk)
-            if not bool(has_key.all()):
-                empty_rows = ~has_key if context_index is None else ~has_key[context_index]  # (B,)
-
-        b, lq, _ = x.shape
-        q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
+        _check_queries(x, self.dim, kv, self.num_heads, context_index)
+        key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (Bc, 1, Lk)
         groups = None if context_index is None else QueryGroups(context_index, kv.batch_size)
+        q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
         out, weights = attention_core(
-            q if groups is None else groups.group(q),
-            kv.key,
-            kv.value,
-            mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            use_sdpa=self.use_sdpa,
-            need_weights=need_weights,
-            normalizer=self.normalizer,
+            q if groups is None else groups.group(q), kv.key, kv.value, None if key_mask is None else key_mask.attend,
+            dropout_p=self.dropout if self.training else 0.0, use_sdpa=self.use_sdpa, need_weights=need_weights,
+            normalize=self.normalize,
         )
         if groups is not None:
-            out = groups.ungroup(out, lq)
-            weights = None if weights is None else groups.ungroup(weights, lq)
+            out = groups.ungroup(out, x.shape[1])
+            weights = None if weights is None else groups.ungroup(weights, x.shape[1])
         out = self._merge_heads(out, x, head_mask)  # (B, Lq, dim)
-        if empty_rows is not None:
-            out = out.masked_fill(empty_rows[:, None, None], 0.0)
-            if weights is not None:
-                weights = weights.masked_fill(empty_rows[:, None, None, None], 0.0)
+        if key_mask is not None:
+            out, weights = key_mask.zero_empty(out, weights, rows=context_index)
         return (out, weights) if need_weights else out
 
-    def _forward_with_attention_mask(
-        self,
-        x: torch.Tensor,
-        kv: ProjectedContext,
-        attention_mask: torch.Tensor | LocalLayout,
-        need_weights: bool,
-        context_index: torch.Tensor | None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` with a ``(Lq, Lk)`` mask or a local layout shared by every row."""
-        if context_index is not None:
-            raise ValueError("attention_mask cannot be combined with context_index")
-        b, lq, _ = x.shape
-        lk = kv.key.shape[2]
-        q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
-        dropout_p = self.dropout if self.training else 0.0
-        if isinstance(attention_mask, LocalLayout):
-            if not attention_mask.length == lq == lk:
+    def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
+        b, length, _ = t.shape
+        return t.view(b, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
+
+    def _merge_heads(self, out: torch.Tensor, x: torch.Tensor, head_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Heads' outputs ``(B, H, Lq, hd)`` -> ``(B, Lq, dim)``: scale by ``head_mask``, concatenate, gate, project."""
+        b, h, lq, hd = out.shape
+        if head_mask is not None:
+            if head_mask.shape not in ((h,), (b, h)):
                 raise ValueError(
-                    f"the attention_mask layout is for {attention_mask.length} tokens, got Lq={lq}, Lk={lk}"
+                    f"head_mask must have shape ({h},) or ({b}, {h}) (the heads present), got {tuple(head_mask.shape)}"
                 )
-            if kv.mask is None and self.normalizer == "softmax" and not need_weights:
-                out = local_self_attention(q, kv.key, kv.value, attention_mask, dropout_p=dropout_p)
-                return self._merge_heads(out, x)
-            attention_mask = attention_mask.dense(x.device)
-        elif attention_mask.dtype != torch.bool or attention_mask.shape != (lq, lk):
-            raise ValueError(
-                f"attention_mask must be a bool tensor of shape (Lq, Lk) = {(lq, lk)}, "
-                f"got {attention_mask.dtype} {tuple(attention_mask.shape)}"
-            )
-        allowed = attention_mask[None] if kv.mask is None else kv.mask[:, None, :] & attention_mask  # (B or 1, Lq, Lk)
-        has_key = allowed.any(dim=-1)  # (B or 1, Lq)
-        # As in forward: queries with no key attend everywhere, then get a zero output.
-        mask = (allowed | ~has_key[..., None])[:, None]  # (B or 1, 1, Lq, Lk)
-        out, weights = attention_core(
-            q, kv.key, kv.value, mask, dropout_p=dropout_p, use_sdpa=self.use_sdpa,
-            need_weights=need_weights, normalizer=self.normalizer,
-        )
-        out = self._merge_heads(out, x)  # (B, Lq, dim)
-        if not bool(has_key.all()):
-            out = out.masked_fill(~has_key[..., None], 0.0)
-            weights = None if weights is None else weights.masked_fill(~has_key[:, None, :, None], 0.0)
-        return (out, weights) if need_weights else out
-
-    @staticmethod
-    def _check_context_index(context_index: torch.Tensor | None, batch: int, contexts: int) -> None:
-        if context_index is None:
-            if contexts != batch:
-                raise ValueError(f"batch sizes differ: x has {batch}, context has {contexts} (pass context_index?)")
-            return
-        if context_index.shape != (batch,) or context_index.dtype not in (torch.int64, torch.int32):
-            raise ValueError(
-                f"context_index must be an integer tensor of shape ({batch},), "
-                f"got {context_index.dtype} {tuple(context_index.shape)}"
-            )
-        if batch and (int(context_index.min()) < 0 or int(context_index.max()) >= contexts):
-            raise ValueError(f"context_index values must be in [0, {contexts}) for {contexts} context rows")
+            out = out * head_mask.reshape(-1, h, 1, 1)  # (B or 1, H, 1, 1): broadcast over tokens
+        merged = out.transpose(1, 2).reshape(b, lq, h * hd)  # (B, Lq, H * hd)
+        if self.gate_proj is not None:
+            merged = self.gate_proj(x, merged)
+        return self.out_proj(merged)
 
     @torch.no_grad()
     def prune_heads(self, heads: Iterable[int]) -> None:
         """Remove heads for real, by their original index (idempotent for removed heads).
 
-        The q/k/v rows and the output-projection columns of those heads are sliced away, so
-        the remaining heads cost proportionally less.
+        The q/k/v rows, the gate rows and the output-projection columns of those heads are sliced
+        away, so the remaining heads cost proportionally less.
         """
         original_count = self.dim // self.head_dim
         heads = set(int(h) for h in heads)
@@ -448,29 +406,10 @@ class CrossAttention(nn.Module):
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> "CrossAttention":
-        """Copy the weights of a ``batch_first`` :class:`nn.MultiheadAttention`."""
-        if not mha.batch_first:
-            raise ValueError("from_torch needs nn.MultiheadAttention(batch_first=True)")
-        if mha.kdim != mha.vdim:
-            raise ValueError(f"CrossAttention needs kdim == vdim, got kdim={mha.kdim}, vdim={mha.vdim}")
-        if mha.bias_k is not None or mha.add_zero_attn:
-            raise ValueError("add_bias_kv and add_zero_attn have no CrossAttention equivalent")
-        bias = mha.in_proj_bias is not None
-        attn = cls(mha.embed_dim, mha.num_heads, kv_dim=mha.kdim, dropout=mha.dropout, bias=bias)
-        d = mha.embed_dim
-        with torch.no_grad():
-            if mha._qkv_same_embed_dim:
-                w_q, w_k, w_v = mha.in_proj_weight.split(d)
-            else:
-                w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
-            attn.q_proj.weight.copy_(w_q)
-            attn.kv_proj.weight.copy_(torch.cat([w_k, w_v]))
-            attn.out_proj.weight.copy_(mha.out_proj.weight)
-            if bias:
-                b_q, b_k, b_v = mha.in_proj_bias.split(d)
-                attn.q_proj.bias.copy_(b_q)
-                attn.kv_proj.bias.copy_(torch.cat([b_k, b_v]))
-                attn.out_proj.bias.copy_(mha.out_proj.bias)
+        """Copy the weights of a ``batch_first`` :class:`nn.MultiheadAttention` (``kdim``/``vdim`` too)."""
+        weights = _weights_of_torch_attention(mha)
+        attn = cls(mha.embed_dim, mha.num_heads, kv_dim=mha.kdim, dropout=mha.dropout, bias="q_proj.bias" in weights)
+        attn.load_state_dict(weights)
         return attn.to(mha.out_proj.weight.device, mha.out_proj.weight.dtype)
 
     def extra_repr(self) -> str:
@@ -480,11 +419,68 @@ class CrossAttention(nn.Module):
         return text + (", output_gate=True" if self.gate_proj is not None else "")
 
 
+def _check_context(context: torch.Tensor, context_mask: torch.Tensor | None, kv_dim: int) -> None:
+    if context.dim() != 3:
+        raise ValueError(f"context must be (batch, length, {kv_dim}), got shape {tuple(context.shape)}")
+    if context.shape[-1] != kv_dim:
+        raise ValueError(f"context has width {context.shape[-1]}, but this layer expects kv_dim={kv_dim}")
+    if context_mask is not None and context_mask.dtype != torch.bool:
+        raise ValueError(f"context_mask must be a bool tensor (True = may attend), got dtype {context_mask.dtype}")
+    if context_mask is not None and context_mask.shape != context.shape[:2]:
+        raise ValueError(
+            f"context_mask must have shape (batch, context length) = {tuple(context.shape[:2])}, "
+            f"got {tuple(context_mask.shape)}"
+        )
+
+
+def _check_queries(
+    x: torch.Tensor, dim: int, kv: ProjectedContext, heads: int, context_index: torch.Tensor | None
+) -> None:
+    """``x`` must be ``(B, Lq, dim)``, ``kv`` have the layer's heads and one row per row of ``x`` or
+    ``context_index`` point into its rows."""
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(f"x must be (batch, length, {dim}), got shape {tuple(x.shape)}")
+    batch = x.shape[0]
+    if kv.key.shape[1] != heads:
+        raise ValueError(f"kv was projected with {kv.key.shape[1]} heads, this layer has {heads}")
+    contexts = kv.batch_size
+    if context_index is None:
+        if contexts != batch:
+            raise ValueError(f"batch sizes differ: x has {batch}, context has {contexts} (pass context_index?)")
+        return
+    if context_index.shape != (batch,) or context_index.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"context_index must be an integer tensor of shape ({batch},), "
+            f"got {context_index.dtype} {tuple(context_index.shape)}"
+        )
+    if batch and (int(context_index.min()) < 0 or int(context_index.max()) >= contexts):
+        raise ValueError(f"context_index values must be in [0, {contexts}) for {contexts} context rows")
+
+
+def _weights_of_torch_attention(mha: nn.MultiheadAttention) -> dict[str, torch.Tensor]:
+    """The weights of ``mha`` under :class:`CrossAttention`'s parameter names."""
+    if not mha.batch_first:
+        raise ValueError("from_torch needs nn.MultiheadAttention(batch_first=True)")
+    if mha.kdim != mha.vdim:
+        raise ValueError(f"CrossAttention needs kdim == vdim, got kdim={mha.kdim}, vdim={mha.vdim}")
+    if mha.bias_k is not None or mha.add_zero_attn:
+        raise ValueError("add_bias_kv and add_zero_attn have no CrossAttention equivalent")
+    if mha._qkv_same_embed_dim:
+        w_q, w_k, w_v = mha.in_proj_weight.split(mha.embed_dim)
+    else:
+        w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+    weights = {"q_proj.weight": w_q, "kv_proj.weight": torch.cat([w_k, w_v]), "out_proj.weight": mha.out_proj.weight}
+    if mha.in_proj_bias is not None:
+        b_q, b_k, b_v = mha.in_proj_bias.split(mha.embed_dim)
+        weights.update({"q_proj.bias": b_q, "kv_proj.bias": torch.cat([b_k, b_v]), "out_proj.bias": mha.out_proj.bias})
+    return {name: w.detach() for name, w in weights.items()}
+
+
 def _slice_linear(linear: nn.Linear, index: torch.Tensor, dim: int) -> nn.Linear:
-    """A new Linear keeping rows (dim=0, outputs) or columns (dim=1, inputs) ``index``."""
+    """A new Linear of the same class keeping rows (dim=0, outputs) or columns (dim=1, inputs) ``index``."""
     weight = linear.weight.index_select(dim, index).clone()
     out_features, in_features = weight.shape
-    new = nn.Linear(in_features, out_features, bias=linear.bias is not None, device=weight.device, dtype=weight.dtype)
+    new = type(linear)(in_features, out_features, bias=linear.bias is not None, device=weight.device, dtype=weight.dtype)
     new.weight.copy_(weight)
     if linear.bias is not None:
         new.bias.copy_(linear.bias.index_select(0, index) if dim == 0 else linear.bias)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext
-from vlfuse.layers.local_attention import LocalLayout
+from vlfuse.layers.local_attention import LocalLayout, LocalSelfAttention
 
 MLP_TYPES = ("gelu", "swiglu")
 
@@ -67,6 +67,10 @@ class FusionBlock(nn.Module):
             :class:`~vlfuse.layers.attention.CrossAttention`).
         mlp_type: ``"gelu"`` (Linear-GELU-Linear) or ``"swiglu"`` (:class:`SwiGLU`, with two inner
             projections of the same hidden width).
+        self_attn_layout: restrict the text self-attention to a local layout (e.g.
+            :func:`~vlfuse.layers.local_attention.sliding_window`): it is then a
+            :class:`~vlfuse.layers.local_attention.LocalSelfAttention` (the same parameter names), and
+            text rows must be padded to ``layout.length`` tokens. Default: full self-attention.
     """
 
     def __init__(
@@ -83,10 +87,18 @@ class FusionBlock(nn.Module):
         attention_normalizer: Normalizer = "softmax",
         output_gate: bool = False,
         mlp_type: str = "gelu",
+        self_attn_layout: LocalLayout | None = None,
     ) -> None:
         super().__init__()
+        if self_attn_layout is not None and not self_attention:
+            raise ValueError("self_attn_layout given, but this block has no self-attention (self_attention=False)")
         attention = dict(dropout=attn_dropout, normalizer=attention_normalizer, output_gate=output_gate)
-        self.self_attn = CrossAttention(dim, num_heads, **attention) if self_attention else None
+        if not self_attention:
+            self.self_attn = None
+        elif self_attn_layout is None:
+            self.self_attn = CrossAttention(dim, num_heads, **attention)
+        else:
+            self.self_attn = LocalSelfAttention(dim, num_heads, layout=self_attn_layout, **attention)
         self.norm_self = nn.LayerNorm(dim) if self_attention else None
         self.norm_cross = nn.LayerNorm(dim)
         self.cross_attn = CrossAttention(dim, num_heads, kv_dim=kv_dim, **attention)
@@ -110,7 +122,6 @@ class FusionBlock(nn.Module):
         kv: ProjectedContext | None = None,
         context_index: torch.Tensor | None = None,
         need_weights: bool = False,
-        self_attention_mask: torch.Tensor | LocalLayout | None = None,
         head_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Fuse ``x`` ``(B, Lt, dim)`` with image tokens.
@@ -121,17 +132,12 @@ class FusionBlock(nn.Module):
             context_mask: ``(Bi, Li)`` bool, True for image tokens that may be attended.
             context_index: ``(B,)`` the image of each text row when images are shared.
             need_weights: also return the cross-attention weights ``(B, H, Lt, Li)``.
-            self_attention_mask: an ``(Lt, Lt)`` bool mask or a local layout (e.g.
-                :func:`~vlfuse.layers.local_attention.sliding_window`) for the text self-attention,
-                combined with ``text_mask``.
             head_mask: ``(H,)`` or ``(B, H)`` factors on the cross-attention heads' outputs (see
                 :meth:`~vlfuse.layers.CrossAttention.forward`).
         """
-        if self_attention_mask is not None and self.self_attn is None:
-            raise ValueError("self_attention_mask given, but this block has no self-attention (self_attention=False)")
         if self.self_attn is not None:
             h = self.norm_self(x)
-            x = x + self.drop(self.self_attn(h, h, context_mask=text_mask, attention_mask=self_attention_mask))
+            x = x + self.drop(self.self_attn(h, h, context_mask=text_mask))
         h = self.norm_cross(x)
         attended = self.cross_attn(
             h, context, context_mask=context_mask, kv=kv, context_index=context_index, need_weights=need_weights,
@@ -173,7 +179,6 @@ class FusionStack(nn.Module):
         kvs: list[ProjectedContext] | None = None,
         image_index: torch.Tensor | None = None,
         weights_from: Iterable[int] = (),
-        self_attention_mask: torch.Tensor | LocalLayout | None = None,
         head_masks: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run every block.
@@ -184,7 +189,6 @@ class FusionStack(nn.Module):
             image_index: ``(B,)`` the image row of each text row, when ``Bi != B``.
             weights_from: layer indices whose cross-attention weights to return; only those
                 layers leave the fast path.
-            self_attention_mask: mask or local layout of every block's text self-attention.
             head_masks: one entry per block, each ``None`` or that block's cross-attention
                 ``head_mask`` (``(H,)`` or ``(B, H)`` over its heads present).
 
@@ -205,7 +209,7 @@ class FusionStack(nn.Module):
             raise ValueError(f"got head masks for {len(head_masks)} layers, the stack has {len(self.blocks)}")
         wanted = set(weights_from)
         weights: dict[int, torch.Tensor] = {}
-        common = dict(text_mask=text_mask, context_index=image_index, self_attention_mask=self_attention_mask)
+        common = dict(text_mask=text_mask, context_index=image_index)
         for i, (block, kv, head_mask) in enumerate(zip(self.blocks, kvs, head_masks)):
             if i in wanted:
                 x, weights[i] = block(x, kv=kv, need_weights=True, head_mask=head_mask, **common)

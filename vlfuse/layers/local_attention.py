@@ -1,4 +1,4 @@
-"""Local attention for long inputs: which (query, key) pairs of a self-attention may attend.
+"""Local self-attention for long inputs: which (query, key) pairs may attend, and the layer that uses it.
 
 A :class:`LocalLayout` holds one rule, ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = may
 attend, FlexAttention's convention), and builds from it both a dense ``(L, L)`` bool mask (for
@@ -13,9 +13,11 @@ empty 128x128 tiles are skipped, so that sparsity saves time. Three layouts:
   on each side, and the first ``global_blocks`` blocks attend to and are attended by every token
   (a Longformer/BigBird-style layout without random blocks).
 
-Every layout lets each token attend to itself, so no row is ever fully masked.
+Every layout lets each token attend to itself, so no row is ever fully masked (a padding mask on
+top of a layout can leave a query with no key: :class:`LocalSelfAttention` gives it a zero output).
 
-:func:`local_self_attention` runs attention with a layout: through compiled FlexAttention where
+:class:`LocalSelfAttention` is the layer: projections and all, a self-attention over one sequence
+with a layout. :func:`local_self_attention` is its core and runs attention with a layout: through compiled FlexAttention where
 the installed torch supports it for the call, otherwise through SDPA with the dense mask (the same
 result). On CPU, torch 2.14's FlexAttention has no backward pass and no dropout: calls that need
 gradients (or dropout) use the dense mask. Each (layout, shape) pair compiles its own kernel on
@@ -34,6 +36,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
+
+from vlfuse.layers.attention import CrossAttention, KeyMask, Normalizer, attention_core, softmax_normalize
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -307,3 +311,87 @@ def local_self_attention(
             _flex_broken = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             warnings.warn(f"FlexAttention failed, using dense masks from now on: {_flex_broken}", RuntimeWarning)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.dense(q.device), dropout_p=dropout_p)
+
+
+# ------------------------------------------------------------------------------ the layer
+class LocalSelfAttention(CrossAttention):
+    """Multi-head self-attention of a sequence over itself, restricted to the pairs of a layout.
+
+    For long inputs: a sliding window over text, a 2-D neighbourhood over image patches
+    (:func:`grid_neighbourhood`), a block-sparse layout. The projections, normaliser, output gate and
+    pruning are :class:`~vlfuse.layers.CrossAttention`'s, under the same parameter names: a
+    CrossAttention used as self-attention loads into it (``load_state_dict``), and it stands in
+    wherever one is called as ``attn(x, x, context_mask=padding)``, e.g. as a FusionBlock's ``self_attn``.
+
+    Without a padding mask, with the softmax normaliser and without weights, a call runs
+    :func:`local_self_attention` (compiled FlexAttention where it can: inference, no dropout).
+    Otherwise it runs :func:`~vlfuse.layers.attention.attention_core` with the layout's dense mask
+    combined with the padding mask; a query left with no key (its whole window is padding) gets a
+    zero output, never NaN (:class:`~vlfuse.layers.attention.KeyMask`).
+
+    Args:
+        dim: width of the tokens.
+        num_heads: number of attention heads.
+        layout: which (query, key) pairs may attend; inputs have ``layout.length`` tokens.
+        dropout, bias, normalizer, output_gate: as for :class:`~vlfuse.layers.CrossAttention`.
+
+    Attributes:
+        use_flex: ``use_flex`` of :func:`local_self_attention` (``None``: FlexAttention when it can).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 16,
+        *,
+        layout: LocalLayout,
+        dropout: float = 0.0,
+        bias: bool = True,
+        normalizer: Normalizer = "softmax",
+        output_gate: bool = False,
+    ) -> None:
+        super().__init__(dim, num_heads, dropout=dropout, bias=bias, normalizer=normalizer, output_gate=output_gate)
+        self.layout = layout
+        self.use_flex: bool | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        context_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from each token of ``x`` to the tokens of ``x`` that the layout allows.
+
+        Args:
+            x: ``(B, L, dim)`` tokens, ``L = layout.length``.
+            context: ``None``, or ``x`` itself (the call of a CrossAttention used as self-attention).
+            context_mask: ``(B, L)`` bool, True for real (non-padding) tokens.
+            need_weights: also return the ``(B, H, L, L)`` weights (explicit path, dense mask).
+
+        Returns:
+            ``(B, L, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
+        """
+        if context is not None and context is not x:
+            raise ValueError("LocalSelfAttention attends within x: pass context=None (or x itself)")
+        if x.dim() != 3 or x.shape[1] != self.layout.length:
+            raise ValueError(f"x must be (batch, {self.layout.length}, {self.dim}) for {self.layout.name!r}, "
+                             f"got shape {tuple(x.shape)}")
+        kv = self.project_context(x, context_mask)
+        q = self._split_heads(self.q_proj(x))  # (B, H, L, hd)
+        dropout_p = self.dropout if self.training else 0.0
+        if context_mask is None and self.normalize is softmax_normalize and not need_weights:
+            out = local_self_attention(q, kv.key, kv.value, self.layout, dropout_p=dropout_p, use_flex=self.use_flex)
+            return self._merge_heads(out, x)
+        allowed = self.layout.dense(x.device)[None]  # (1, L, L)
+        key_mask = KeyMask(allowed if context_mask is None else allowed & context_mask[:, None, :])  # (B or 1, L, L)
+        out, weights = attention_core(
+            q, kv.key, kv.value, key_mask.attend, dropout_p=dropout_p, use_sdpa=self.use_sdpa,
+            need_weights=need_weights, normalize=self.normalize,
+        )
+        out, weights = key_mask.zero_empty(self._merge_heads(out, x), weights)
+        return (out, weights) if need_weights else out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, layout={self.layout.name!r}"
