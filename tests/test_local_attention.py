@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from vlfuse import CrossAttention, FusionBlock
 from vlfuse.layers import local_attention
 from vlfuse.layers.local_attention import (
+    LocalSelfAttention,
     block_sparse,
     block_sparse_mask,
     grid_neighbourhood,
@@ -160,86 +161,143 @@ def test_a_failing_compile_falls_back_to_the_dense_mask_with_a_warning(monkeypat
     assert "failed earlier" in local_attention.flex_unsupported_reason(q)
 
 
-def make_attention(dim=32, heads=4, **kw):
+def make_local(layout, dim=32, heads=4, **kw):
     torch.manual_seed(0)
-    return CrossAttention(dim, heads, **kw).eval()
+    attn = LocalSelfAttention(dim, heads, layout=layout, **kw)
+    with torch.no_grad():  # non-zero biases, so bias handling is exercised too
+        for p in attn.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.1)
+    return attn.eval()
 
 
+def masked_reference(attn, x, allowed):
+    """The layer by hand: its projections, the normaliser over ``allowed`` ``(B or 1, L, L)`` pairs, out_proj."""
+    kv = attn.project_context(x)
+    q = attn.q_proj(x).view(*x.shape[:2], attn.num_heads, attn.head_dim).transpose(1, 2)  # (B, H, L, hd)
+    scores = q @ kv.key.transpose(-2, -1) / attn.head_dim**0.5  # (B, H, L, L)
+    weights = attn.normalize(scores, allowed[:, None])
+    merged = (weights @ kv.value).transpose(1, 2).reshape(x.shape)  # (B, L, H * hd)
+    if attn.gate_proj is not None:
+        merged = merged * torch.sigmoid(x @ attn.gate_proj.weight.T + attn.gate_proj.bias)
+    return attn.out_proj(merged), weights
+
+
+@pytest.mark.parametrize("output_gate", [False, True])
 @pytest.mark.parametrize("normalizer", ["softmax", "leaky_relu"])
-def test_cross_attention_with_a_2d_mask_matches_the_reference(normalizer):
-    attn = make_attention(normalizer=normalizer)
+def test_local_self_attention_attends_only_within_its_layout(normalizer, output_gate):
+    layout = sliding_window(9, 1)
+    attn = make_local(layout, normalizer=normalizer, output_gate=output_gate)
     x = torch.randn(2, 9, 32)
-    allowed = sliding_window_mask(9, 1)
-    out, w = attn(x, x, attention_mask=allowed, need_weights=True)
-    assert torch.all(w[:, :, ~allowed] == 0)
+    out, w = attn(x, need_weights=True)
+    expected, expected_w = masked_reference(attn, x, layout.dense()[None])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w, expected_w, atol=1e-5, rtol=0)
+    assert torch.all(w[:, :, ~layout.dense()] == 0)
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 9))
+    torch.testing.assert_close(attn(x), out, atol=1e-5, rtol=0)  # the fast path (local_self_attention)
     attn.use_sdpa = False
-    torch.testing.assert_close(attn(x, x, attention_mask=allowed), out, atol=1e-5, rtol=0)
-    # Keys outside the window do not matter.
+    torch.testing.assert_close(attn(x, x), out, atol=1e-5, rtol=0)
+    # A token beyond a query's window does not change that query's output.
     far = x.clone()
     far[:, 5:] += 10.0
-    torch.testing.assert_close(attn(x, far, attention_mask=allowed)[:, :3], out[:, :3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(attn(far)[:, :4], out[:, :4], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "leaky_relu"])
 @pytest.mark.parametrize("use_sdpa", [True, False])
 def test_window_plus_padding_leaves_queries_without_keys_at_zero_without_nan(normalizer, use_sdpa):
-    attn = make_attention(normalizer=normalizer).train()
+    layout = sliding_window(8, 2)
+    attn = make_local(layout, normalizer=normalizer).train()
     attn.use_sdpa = use_sdpa
     x = torch.randn(2, 8, 32, requires_grad=True)
     padding = torch.ones(2, 8, dtype=torch.bool)
     padding[0, 3:] = False  # queries 5, 6 and 7 of row 0 see only padding within +-2
-    out = attn(x, x, context_mask=padding, attention_mask=sliding_window(8, 2))
+    out = attn(x, context_mask=padding)
     assert torch.isfinite(out).all()
     assert torch.all(out[0, 5:] == 0) and torch.all(out[0, :5].abs().sum(-1) > 0)
     out.pow(2).sum().backward()
-    assert torch.isfinite(x.grad).all()
-    assert all(torch.isfinite(p.grad).all() for p in attn.parameters())
+    assert torch.isfinite(x.grad).all() and torch.all(x.grad[0, 5:] == 0)
+    for name, p in attn.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    attn.eval()
+    expected, _ = masked_reference(attn, x, layout.dense()[None] & padding[:, None, :])
+    kept = torch.ones(2, 8, 1, dtype=torch.bool)
+    kept[0, 5:] = False
+    expected = torch.where(kept, expected, 0.0)  # the reference's softmax over no key is NaN there
+    torch.testing.assert_close(attn(x, context_mask=padding), expected, atol=1e-5, rtol=0)
 
 
-def test_cross_attention_runs_a_layout_through_flex_when_it_can(eager_flex, monkeypatch):
+def test_a_full_self_attention_loads_into_a_local_one_and_a_full_layout_matches_it():
+    """Same parameter names as CrossAttention: it stands in for a CrossAttention used as self-attention."""
+    torch.manual_seed(0)
+    full = CrossAttention(32, 4, output_gate=True).eval()
+    local = LocalSelfAttention(32, 4, layout=sliding_window(7, 6), output_gate=True).eval()  # every pair
+    local.load_state_dict(full.state_dict())
+    x = torch.randn(3, 7, 32)
+    padding = torch.ones(3, 7, dtype=torch.bool)
+    padding[1, 4:] = False
+    torch.testing.assert_close(local(x, x, context_mask=padding), full(x, x, context_mask=padding), atol=1e-5, rtol=0)
+    torch.testing.assert_close(local(x), full(x, x), atol=1e-5, rtol=0)
+    local.prune_heads([2])
+    assert local.num_heads == 3 and local(x).shape == (3, 7, 32)
+    assert "sliding window +-6" in repr(local)
+
+
+def test_local_self_attention_runs_its_layout_through_flex_when_it_can(eager_flex, monkeypatch):
     """An image-side self-attention over a patch grid: inference goes through FlexAttention."""
-    attn = make_attention()
     layout = grid_neighbourhood(6, 7, 1, num_prefix_tokens=1)
+    attn = make_local(layout)
     patches = torch.randn(2, layout.length, 32)
     calls = []
+
     def counted(*args, **kwargs):
         calls.append(1)
         return flex.flex_attention(*args, **kwargs)
 
     monkeypatch.setattr(local_attention, "_compiled_flex", counted)
     with torch.no_grad():
-        out = attn(patches, patches, attention_mask=layout)
-        expected = attn(patches, patches, attention_mask=layout.dense())
+        out = attn(patches)
+        attn.use_flex = False
+        dense = attn(patches)
     assert calls == [1]
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, masked_reference(attn, patches, layout.dense()[None])[0], atol=1e-5, rtol=0)
 
 
-def test_attention_mask_errors_name_the_problem():
-    attn = make_attention()
+def test_local_self_attention_errors_name_the_problem():
+    attn = make_local(sliding_window(6, 1))
     x = torch.randn(2, 6, 32)
-    with pytest.raises(ValueError, match=r"attention_mask must be a bool tensor of shape \(Lq, Lk\) = \(6, 6\)"):
-        attn(x, x, attention_mask=torch.ones(6, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match="layout is for 7 tokens"):
-        attn(x, x, attention_mask=sliding_window(7, 1))
-    with pytest.raises(ValueError, match="context_index"):
-        attn(x, x, attention_mask=sliding_window(6, 1), context_index=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"x must be \(batch, 6, 32\) for 'sliding window \+-1', got shape \(2, 7, 32\)"):
+        attn(torch.randn(2, 7, 32))
+    with pytest.raises(ValueError, match="attends within x"):
+        attn(x, torch.randn(2, 6, 32))
+    with pytest.raises(ValueError, match="context_mask must be a bool tensor"):
+        attn(x, context_mask=torch.ones(2, 6))
+    with pytest.raises(ValueError, match="width 16"):
+        attn(torch.randn(2, 6, 16))
 
 
-def test_fusion_block_text_self_attention_takes_a_local_layout():
+def test_fusion_block_built_with_a_local_layout_uses_it_for_the_text_self_attention():
     torch.manual_seed(0)
-    block = FusionBlock(32, 4, kv_dim=24, gated=False).train()
+    block = FusionBlock(32, 4, kv_dim=24, gated=False, self_attn_layout=sliding_window(10, 1)).train()
+    assert isinstance(block.self_attn, LocalSelfAttention)
     x = torch.randn(2, 10, 32, requires_grad=True)
     image = torch.randn(2, 5, 24)
     text_mask = torch.ones(2, 10, dtype=torch.bool)
     text_mask[1, 4:] = False
-    local = block(x, image, text_mask=text_mask, self_attention_mask=sliding_window(10, 1))
+    local = block(x, image, text_mask=text_mask)
     assert torch.isfinite(local).all()
     local.sum().backward()
     assert torch.isfinite(x.grad).all()
+    assert all(p.grad is not None for p in block.parameters())
+    full = FusionBlock(32, 4, kv_dim=24, gated=False).eval()
+    full.load_state_dict(block.state_dict())  # the same parameter names
     block.eval()
     with torch.no_grad():
-        full = block(x, image, text_mask=text_mask)
-        assert not torch.allclose(full, block(x, image, text_mask=text_mask, self_attention_mask=sliding_window(10, 1)))
+        assert not torch.allclose(full(x, image, text_mask=text_mask), block(x, image, text_mask=text_mask))
+        # The self-attention is the only difference: with the local one swapped in, the outputs match.
+        full.self_attn = block.self_attn
+        torch.testing.assert_close(full(x, image, text_mask=text_mask), block(x, image, text_mask=text_mask))
     with pytest.raises(ValueError, match="no self-attention"):
-        FusionBlock(32, 4, self_attention=False)(x, x, self_attention_mask=sliding_window(10, 1))
+        FusionBlock(32, 4, self_attention=False, self_attn_layout=sliding_window(10, 1))
