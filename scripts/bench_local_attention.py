@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Benchmark dense against local self-attention on long inputs (CPU, fp32, forward, batch 1).
+"""Benchmark dense against local self-attention layers on long inputs (CPU, fp32, forward, batch 1).
 
-Contenders at each token count L (queries = keys = values, H heads of 64 dims, inference mode):
+Contenders at each token count L, whole layers (projections, attention, output projection) with
+the same weights, H heads of 64 dims, called on one sequence x of L tokens in inference mode:
 
-    dense             F.scaled_dot_product_attention without a mask: every pair (the baseline)
-    <layout> mask     SDPA with the layout's dense (L, L) bool mask: the local result, dense cost
-    <layout> flex     compiled FlexAttention with the layout's BlockMask: 128x128 tiles in which
-                      no pair may attend are skipped
+    dense             vlfuse.CrossAttention as self-attention, attn(x, x): every pair, SDPA (the baseline)
+    <layout> mask     vlfuse.layers.LocalSelfAttention with use_flex=False: SDPA with the layout's
+                      dense (L, L) bool mask, the local result at the dense cost
+    <layout> flex     LocalSelfAttention with use_flex=True: compiled FlexAttention with the
+                      layout's BlockMask, 128x128 tiles in which no pair may attend are skipped
 
 Layouts (vlfuse.layers.local_attention): a sliding window of +-128 tokens; a 2-D neighbourhood of
 radius 3 (7x7 patches) on a square patch grid after one global CLS token (so L = 1 + side^2 is the
@@ -22,8 +24,8 @@ Peak memory: for each case, a fresh worker process (glibc ``MALLOC_MMAP_THRESHOL
 buffer of 64 KiB or more is mapped on allocation and unmapped on free) makes one untimed call, then
 resets the kernel's peak-RSS mark (``/proc/self/clear_refs``) and makes one more: the figure is the
 peak resident memory during that call minus the resident memory just before it. It includes the
-output (L x H x 64 x 4 bytes) and any mask conversion SDPA does inside the call, not the inputs or
-the cached masks.
+output and the projections (a few L x H x 64 x 4 bytes) and any mask conversion SDPA does inside
+the call, not the inputs, the weights or the cached masks.
 
 Linux only (``/proc``). The exit status is 0; nothing is asserted about times.
 
@@ -34,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -47,14 +50,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
+from vlfuse.layers import CrossAttention, LocalSelfAttention
 from vlfuse.layers.local_attention import (
     LocalLayout,
     block_sparse,
     flex_unsupported_reason,
     grid_neighbourhood,
-    local_self_attention,
     sliding_window,
 )
 
@@ -87,36 +89,35 @@ class Case:
 def build_cases(length: int, heads: int, flex: bool, only: str | None = None) -> tuple[list[Case], dict[str, float]]:
     """The cases at ``length`` (all, or the one named ``only``) and the build time of their masks, in s."""
     g = torch.Generator().manual_seed(length)
+    dim = heads * HEAD_DIM
+    torch.manual_seed(length)
+    full = CrossAttention(dim, heads).eval()
     cases, build_s = [], {}
-
-    def qkv(n: int) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.randn(1, heads, n, HEAD_DIM, generator=g) for _ in range(3))  # (1, H, L, hd)
 
     def wanted(name: str) -> bool:
         return only is None or only == name
 
-    q, k, v = qkv(length)
-    if wanted("dense"):
-        cases.append(Case(length, "dense", lambda: F.scaled_dot_product_attention(q, k, v)))
-    for layout in layouts(length):
-        lq, lk, lv = (q, k, v) if layout.length == length else qkv(layout.length)
-        start = time.perf_counter()
-        dense = layout.dense()  # cached by the layout
-        build_s[f"{layout.name} dense mask"] = time.perf_counter() - start
-        kept = dense.sum().item() / layout.length**2
-        if wanted(f"{layout.name}: mask"):
-            def run(lq=lq, lk=lk, lv=lv, mask=dense):
-                return F.scaled_dot_product_attention(lq, lk, lv, attn_mask=mask)
+    def local(layout: LocalLayout, use_flex: bool) -> LocalSelfAttention:
+        attn = LocalSelfAttention(dim, heads, layout=layout).eval()
+        attn.load_state_dict(full.state_dict())  # the same weights as the dense layer
+        attn.use_flex = use_flex
+        return attn
 
-            cases.append(Case(length, f"{layout.name}: mask", run, kept))
+    x = torch.randn(1, length, dim, generator=g)  # (1, L, H * hd)
+    if wanted("dense"):
+        cases.append(Case(length, "dense", lambda: full(x, x)))
+    for layout in layouts(length):
+        tokens = x if layout.length == length else torch.randn(1, layout.length, dim, generator=g)
+        start = time.perf_counter()
+        kept = layout.dense().sum().item() / layout.length**2  # the dense mask is cached by the layout
+        build_s[f"{layout.name} dense mask"] = time.perf_counter() - start
+        if wanted(f"{layout.name}: mask"):
+            cases.append(Case(length, f"{layout.name}: mask", functools.partial(local(layout, False), tokens), kept))
         if flex and wanted(f"{layout.name}: flex"):
             start = time.perf_counter()
             block_mask = layout.block_mask()
             build_s[f"{layout.name} block mask"] = time.perf_counter() - start
-
-            def run(lq=lq, lk=lk, lv=lv, layout=layout):
-                return local_self_attention(lq, lk, lv, layout, use_flex=True)
-
+            run = functools.partial(local(layout, True), tokens)
             cases.append(Case(length, f"{layout.name}: flex", run, kept, 1.0 - block_mask.sparsity() / 100.0))
     return cases, build_s
 
