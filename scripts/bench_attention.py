@@ -22,6 +22,7 @@ The targets printed at the end are benchmark goals, not assertions: the exit sta
 
 Example:
     python scripts/bench_attention.py --lk 197 577 --json runs/bench_attention.json
+    python scripts/bench_attention.py --lk 197 577 --baseline runs/bench_attention_before.json
 """
 
 from __future__ import annotations
@@ -280,12 +281,13 @@ def summarise(cases: list[Case], contenders: dict[str, nn.Module], args: argpars
     return rows
 
 
+def cell(value: float | None, fmt: str) -> str:
+    """A table cell: ``value`` formatted, or ``-`` when there is none."""
+    return "-" if value is None else format(value, fmt)
+
+
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a Markdown table, ready to paste into a README."""
-
-    def cell(value: float | None, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
     lines = [
         "| Lk | contender | fwd ms | fwd t/t(a) | fwd+bwd ms | fwd+bwd t/t(a) | fwd FLOP/s / bare | fwd+bwd FLOP/s / bare |",
         "|---:|:---|---:|---:|---:|---:|---:|---:|",
@@ -295,6 +297,28 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['lk']} | {r['label']} | {cell(r['fwd_ms'], '.1f')} | {cell(r['fwd_ratio'], '.2f')} "
             f"| {cell(r['fwd_bwd_ms'], '.1f')} | {cell(r['fwd_bwd_ratio'], '.2f')} "
             f"| {cell(r['fwd_flops_fraction'], '.0%')} | {cell(r['fwd_bwd_flops_fraction'], '.0%')} |"
+        )
+    return "\n".join(lines)
+
+
+def comparison_table(rows: list[dict], baseline: dict) -> str:
+    """This run's median times and ratios to (a) next to those of an earlier run (its ``--json`` report).
+
+    Run the benchmark once on an older commit with ``--json``, then here with ``--baseline``: a ratio
+    t/t(a) that drops from before to now means (a) got slower relative to the others.
+    """
+    before = {(r["contender"], r["lk"]): r for r in baseline["rows"]}
+    lines = [
+        "| Lk | contender | fwd ms before | fwd ms now | fwd t/t(a) before | fwd t/t(a) now "
+        "| fwd+bwd t/t(a) before | fwd+bwd t/t(a) now |",
+        "|---:|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        b = before.get((r["contender"], r["lk"]), {})
+        lines.append(
+            f"| {r['lk']} | {r['label']} | {cell(b.get('fwd_ms'), '.1f')} | {cell(r['fwd_ms'], '.1f')} "
+            f"| {cell(b.get('fwd_ratio'), '.2f')} | {cell(r['fwd_ratio'], '.2f')} "
+            f"| {cell(b.get('fwd_bwd_ratio'), '.2f')} | {cell(r['fwd_bwd_ratio'], '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -329,6 +353,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke test, not a benchmark")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="PATH",
+                        help="the --json report of an earlier run (e.g. an older commit): print both side by side")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and inputs")
     args = parser.parse_args(argv)
     if args.quick:
@@ -361,6 +387,9 @@ def main(argv: list[str] | None = None) -> list[Target]:
     for lk in args.lk:
         share = next(r["fwd_ratio"] for r in rows if r["contender"] == "bare" and r["lk"] == lk)
         print(f"Lk={lk}: the bare key/value product takes {share:.0%} of (a)'s forward time (paired median)")
+    if args.baseline is not None:
+        print(f"\nThis run next to {args.baseline}:\n")
+        print(comparison_table(rows, json.loads(args.baseline.read_text())))
     targets = check_targets(rows, args.lk)
     print("\nTargets (benchmark goals, not assertions):")
     for t in targets:
