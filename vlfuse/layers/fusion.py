@@ -71,6 +71,8 @@ class FusionBlock(nn.Module):
             :func:`~vlfuse.layers.local_attention.sliding_window`): it is then a
             :class:`~vlfuse.layers.local_attention.LocalSelfAttention` (the same parameter names), and
             text rows must be padded to ``layout.length`` tokens. Default: full self-attention.
+            (This replaces the per-call ``self_attention_mask`` of earlier versions, which no model
+            or config used: a block's attention pattern is now part of the block.)
     """
 
     def __init__(
