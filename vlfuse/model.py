@@ -312,10 +312,18 @@ class VLFuseModel(nn.Module):
 
     def encode_images(self, pixel_values: torch.Tensor) -> ImageContext:
         """Images ``(Bi, 3, S, S)`` in [0, 1] -> their :class:`ImageContext`, reusable for many questions:
-        every fusion layer's keys/values and what the readout needs of them."""
-        tokens = self.image_proj(self.image_encoder(pixel_values))  # (Bi, Li, fusion_dim)
-        layers = [] if self.fusion is None else self.fusion.project_context(tokens)
-        return ImageContext(layers, self.readout.image_context(tokens, self.image_encoder.num_prefix_tokens))
+        every fusion layer's keys/values and what the readout needs of them. The same as
+        ``image_context(embed_images(pixel_values))``."""
+        return self.image_context(self.embed_images(pixel_values))
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Images ``(Bi, 3, S, S)`` -> image tokens ``(Bi, Li, fusion_dim)``: the image encoder, projected."""
+        return self.image_proj(self.image_encoder(pixel_values))
+
+    def image_context(self, image_tokens: torch.Tensor) -> ImageContext:
+        """Image tokens from :meth:`embed_images` -> the keys/values of every fusion layer and the readout's context."""
+        layers = [] if self.fusion is None else self.fusion.project_context(image_tokens)
+        return ImageContext(layers, self.readout.image_context(image_tokens, self.image_encoder.num_prefix_tokens))
 
     def encode_questions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``(Bq, Lt)`` tokenized questions -> question tokens ``(Bq, Lt, fusion_dim)``: what the readout
@@ -421,11 +429,16 @@ class VLFuseModel(nn.Module):
         """Number of fusion blocks (0 for a readout without them, such as ``map_program``)."""
         return self.config.fusion_depth
 
-    def require_fusion_heads(self, purpose: str) -> None:
-        """Raise a one-line ``ValueError`` saying why there is nothing to ``purpose`` when the model has no heads."""
+    def require_fusion_heads(self, purpose: str, name: str = "this model") -> None:
+        """Raise a one-line ``ValueError`` saying why there is nothing to ``purpose`` when the model has no heads.
+
+        Args:
+            purpose: what the caller wanted to do with the heads, e.g. ``"prune"``.
+            name: how to name the model in the message, e.g. its directory.
+        """
         if not self.has_fusion_heads:
             raise ValueError(
-                f"this model has no fusion heads to {purpose}: its readout {self.config.readout!r} "
+                f"{name} has no fusion heads to {purpose}: its readout {self.config.readout!r} "
                 "reads the question without fusion blocks (fusion_depth 0)"
             )
 
