@@ -1,4 +1,4 @@
-"""Head gates, the three head scores and the pruning curve, on a tiny untrained model."""
+"""Head masks, the three head scores and the pruning curve, on a tiny untrained model."""
 
 import math
 
@@ -10,7 +10,7 @@ from vlfuse.analysis.head_scores import (
     ablation_scores,
     evaluate,
     gradient_scores,
-    head_gates,
+    full_head_mask,
     pruning_curve,
     weight_norm_scores,
 )
@@ -43,9 +43,10 @@ def make_batches(seed: int = 1) -> list[dict]:
     return [collate_grouped(items[:3]), collate_grouped(items[3:])]
 
 
-def logits(model, batch):
+def logits(model, batch, head_mask=None):
     pixels = batch["pixel_values"].to(next(model.parameters()).dtype)
-    return model(pixels, **model.tokenize(batch["questions"]), image_index=batch["image_index"]).logits
+    tokens = model.tokenize(batch["questions"])
+    return model(pixels, **tokens, image_index=batch["image_index"], head_mask=head_mask).logits
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +67,16 @@ def batches(model):
     return batches
 
 
-# ------------------------------------------------------------------------------------- gates
-def test_gates_of_one_leave_the_logits_unchanged_and_hooks_go_on_exit(model, batches):
+# -------------------------------------------------------------------------------- head mask
+def test_a_full_head_mask_leaves_the_logits_unchanged(model, batches):
     with torch.no_grad():
         expected = logits(model, batches[0])
-        with head_gates(model) as gates:
-            assert gates.shape == (2, 16) and bool((gates == 1).all())
-            torch.testing.assert_close(logits(model, batches[0]), expected, atol=0, rtol=0)
-        with head_gates(model, rows=len(batches[0]["questions"])) as gates:
-            assert gates.shape == (len(batches[0]["questions"]), 2, 16)
-            torch.testing.assert_close(logits(model, batches[0]), expected, atol=0, rtol=0)
-    assert all(not block.cross_attn.out_proj._forward_pre_hooks for block in model.fusion.blocks)
+        mask = full_head_mask(model)
+        assert mask.shape == (2, 16) and bool((mask == 1).all())
+        torch.testing.assert_close(logits(model, batches[0], head_mask=mask), expected, atol=0, rtol=0)
+        rows = full_head_mask(model, rows=len(batches[0]["questions"]))
+        assert rows.shape == (len(batches[0]["questions"]), 2, 16)
+        torch.testing.assert_close(logits(model, batches[0], head_mask=rows), expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("already_pruned", [{}, {0: [2], 1: [7, 8]}])
@@ -84,19 +84,19 @@ def test_gate_zero_gives_the_logits_of_physical_pruning(model, batches, already_
     base = prune_model(model, already_pruned) if already_pruned else model
     with torch.no_grad():
         expected = logits(prune_model(base, HEADS), batches[1])
-        with head_gates(base) as gates:
-            for layer, heads in already_pruned.items():
-                assert bool((gates[layer, heads] == 0).all())  # removed heads are excluded
-            for layer, heads in HEADS.items():
-                gates[layer, heads] = 0.0
-            gated = logits(base, batches[1])
+        gates = full_head_mask(base)
+        for layer, heads in already_pruned.items():
+            assert bool(gates[layer, heads].isnan().all())  # removed heads are ignored
+        for layer, heads in HEADS.items():
+            gates[layer, heads] = 0.0
+        gated = logits(base, batches[1], head_mask=gates)
         assert not torch.allclose(gated, logits(base, batches[1]))  # the gates did something
     torch.testing.assert_close(gated, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_per_question_gates_refuse_another_batch_size(model, batches):
-    with torch.no_grad(), head_gates(model, rows=2), pytest.raises(ValueError, match=r"rows=2.*questions"):
-        logits(model, batches[0])
+    with torch.no_grad(), pytest.raises(ValueError, match=r"head_mask must have shape \(16,\) or \(\d+, 16\)"):
+        logits(model, batches[0], head_mask=full_head_mask(model, rows=2))
 
 
 # ------------------------------------------------------------------------------------ scores
@@ -123,12 +123,13 @@ def test_gradient_score_equals_a_finite_difference_estimate():
     scores = gradient_scores(model, batches, normalize=False).double()
 
     eps, total, count = 1e-6, torch.zeros(2, 4, dtype=torch.float64), 0
-    with torch.no_grad(), head_gates(model) as gates:
+    gates = full_head_mask(model)
+    with torch.no_grad():
         for batch in batches:
             valid = batch["labels"] != IGNORE_INDEX
 
             def losses():  # per question
-                return F.cross_entropy(logits(model, batch), batch["labels"], reduction="none")[valid]
+                return F.cross_entropy(logits(model, batch, gates), batch["labels"], reduction="none")[valid]
 
             for layer in range(2):
                 for head in range(4):
@@ -188,4 +189,4 @@ def test_pruning_curve_equals_evaluating_physically_pruned_models(model, batches
     for fraction, accuracy in curve[1:]:
         expected = evaluate(prune_model(model, heads_to_prune(scores, fraction=fraction)), batches)
         assert math.isclose(accuracy, expected)
-    assert model.training is False and all(not b.cross_attn.out_proj._forward_pre_hooks for b in model.fusion.blocks)
+    assert model.training is False

@@ -170,7 +170,7 @@ def test_vlfuse_prune_end_to_end(trained, tmp_path, capsys):
     model = VLFuseModel.from_pretrained(out)
     assert heads_per_layer(model) == [8]
     original = VLFuseModel.from_pretrained(trained / "model")
-    assert not torch.equal(model.head[2].weight, original.head[2].weight)  # fine-tuned
+    assert not torch.equal(model.readout.classifier[2].weight, original.readout.classifier[2].weight)  # fine-tuned
     [answer] = Predictor.from_pretrained(out).predict([np.zeros((64, 64, 3), np.uint8)], ["what color is the shape?"])
     assert answer["answer"] in model.answers
 
@@ -223,4 +223,4 @@ def test_fraction_zero_with_fine_tuning_is_the_unpruned_control(trained, tmp_pat
     model = VLFuseModel.from_pretrained(out)
     original = VLFuseModel.from_pretrained(trained / "model")
     assert heads_per_layer(model) == [16]
-    assert not torch.equal(model.head[2].weight, original.head[2].weight)  # fine-tuned all the same
+    assert not torch.equal(model.readout.classifier[2].weight, original.readout.classifier[2].weight)  # fine-tuned all the same
