@@ -9,62 +9,20 @@ import torch.nn.functional as F
 from vlfuse.analysis.head_scores import (
     ablation_scores,
     evaluate,
-    gradient_scores,
     full_head_mask,
+    gradient_scores,
     pruning_curve,
     weight_norm_scores,
 )
 from vlfuse.analysis.pruning import heads_to_prune, prune_model
-from vlfuse.data import IGNORE_INDEX, collate_grouped
+from vlfuse.data import IGNORE_INDEX
 from vlfuse.model import VLFuseModel
 
-from conftest import tiny_config
+from conftest import HEADS, SCORED_ANSWERS, SCORED_QUESTIONS, logits, make_batches, tiny_config
 
-ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
-QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a blue shape?", "what shape is it?"]
-HEADS = {0: [1, 5, 9], 1: [0, 2, 3, 15]}
-
+ANSWERS, QUESTIONS = SCORED_ANSWERS, SCORED_QUESTIONS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def make_batches(seed: int = 1) -> list[dict]:
-    """Two batches of 3 random images with 1-4 questions each; one label is IGNORE_INDEX."""
-    g = torch.Generator().manual_seed(seed)
-    items = [
-        {
-            "pixel_values": torch.rand(3, 32, 32, generator=g),
-            "questions": QUESTIONS[: 1 + i % 4],
-            "labels": torch.randint(0, len(ANSWERS), (1 + i % 4,), generator=g),
-        }
-        for i in range(6)
-    ]
-    items[2]["labels"][0] = IGNORE_INDEX
-    return [collate_grouped(items[:3]), collate_grouped(items[3:])]
-
-
-def logits(model, batch, head_mask=None):
-    pixels = batch["pixel_values"].to(next(model.parameters()).dtype)
-    tokens = model.tokenize(batch["questions"])
-    return model(pixels, **tokens, image_index=batch["image_index"], head_mask=head_mask).logits
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    # Ungated, so that every cross-attention head changes the answer scores.
-    return VLFuseModel.from_config(tiny_config(gated=False), ANSWERS, QUESTIONS).eval()
-
-
-@pytest.fixture(scope="module")
-def batches(model):
-    """Labelled with the model's own answers: accuracy 1 with every head, lower without some."""
-    batches = make_batches()
-    with torch.no_grad():
-        for batch in batches:
-            valid = batch["labels"] != IGNORE_INDEX
-            batch["labels"][valid] = logits(model, batch).argmax(-1)[valid]
-    return batches
 
 
 # -------------------------------------------------------------------------------- head mask
@@ -129,7 +87,7 @@ def test_gradient_score_equals_a_finite_difference_estimate():
             valid = batch["labels"] != IGNORE_INDEX
 
             def losses():  # per question
-                return F.cross_entropy(logits(model, batch, gates), batch["labels"], reduction="none")[valid]
+                return F.cross_entropy(logits(model, batch, head_mask=gates), batch["labels"], reduction="none")[valid]
 
             for layer in range(2):
                 for head in range(4):

@@ -5,47 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlfuse.data import GroupedVQADataset, ImageQuestions, collate_grouped
-from vlfuse.data.answers import AnswerVocab
 from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
 from vlfuse.model import FUSION_OPTIONS, VLFuseModel
 from vlfuse.readouts import READOUTS, PoolReadout, register_readout
 
-from conftest import tiny_config
+from conftest import COLOUR_ANSWERS, logits, make_model, tiny_config
 
-ANSWERS = ["no", "yes", "red", "blue"]
-
-
-def toy_batch(n_images=4, size=32, seed=0):
-    """Images that are red or blue, each with two questions."""
-    g = torch.Generator().manual_seed(seed)
-    records = []
-    for i in range(n_images):
-        colour = "red" if i % 2 == 0 else "blue"
-        pixels = (torch.rand(size, size, 3, generator=g) * 60).to(torch.uint8)
-        pixels[..., 0 if colour == "red" else 2] += 150
-        records.append(
-            ImageQuestions(
-                pixels.numpy(),
-                ["what color is the shape?", f"is there a {colour} shape?"],
-                [colour, "yes"],
-                image_id=str(i),
-            )
-        )
-    dataset = GroupedVQADataset(records, AnswerVocab(ANSWERS), size)
-    return records, collate_grouped([dataset[i] for i in range(len(dataset))])
-
-
-def make_model(**overrides):
-    torch.manual_seed(0)
-    records, batch = toy_batch()
-    questions = [q for r in records for q in r.questions]
-    return VLFuseModel.from_config(tiny_config(**overrides), ANSWERS, questions), batch
-
-
-def logits(model, batch, **kw):
-    tokens = model.tokenize(batch["questions"])
-    return model(batch["pixel_values"], **tokens, image_index=batch["image_index"], **kw).logits
+ANSWERS = COLOUR_ANSWERS
 
 
 def test_forward_shapes_and_attention_weights():
