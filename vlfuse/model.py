@@ -113,7 +113,8 @@ FUSION_OPTIONS = (
     "mlp_type",
     "pruned_heads",
 )
-"""The :class:`VLFuseConfig` fields read by the fusion stack (and by nothing else, but for the readouts' own)."""
+"""The :class:`VLFuseConfig` fields the fusion stack reads. A readout that reads one of them too lists it
+in its ``options`` (``pool``: ``dropout``); without fusion blocks the others must keep their defaults."""
 
 
 def _default(name: str) -> Any:
@@ -138,7 +139,7 @@ def check_config(config: VLFuseConfig, answers: Sequence[str]) -> type[Readout]:
         raise ValueError(f"readout {config.readout!r} reads fused tokens: fusion_depth must be at least 1, got {config.fusion_depth}")
     if not readout.reads_fusion and config.fusion_depth != 0:
         raise ValueError(
-            f"readout {config.readout!r} reads the question's word embeddings, with no fusion blocks: "
+            f"readout {config.readout!r} reads the question itself, with no fusion blocks: "
             f"set fusion_depth to 0 (got {config.fusion_depth})"
         )
     unused = unused_options(config, readout)
