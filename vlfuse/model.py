@@ -177,12 +177,13 @@ class ImageContext:
 
 
 def _combine(parts: list, merge: Callable[[list[torch.Tensor]], torch.Tensor]):
-    """Walk parallel structures (dataclasses, lists, tensors, None) and ``merge`` their tensors, batch first."""
+    """Walk parallel structures (dataclasses, lists, tuples, tensors, None) and ``merge`` their tensors, batch first."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
         return merge(parts)
-    if isinstance(first, list):
-        return [_combine(list(items), merge) for items in zip(*parts, strict=True)]
+    if isinstance(first, (list, tuple)):
+        items = [_combine(list(column), merge) for column in zip(*parts, strict=True)]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)  # a NamedTuple, or not
     if dataclasses.is_dataclass(first):
         changes = {f.name: _combine([getattr(p, f.name) for p in parts], merge) for f in dataclasses.fields(first)}
         return dataclasses.replace(first, **changes)
