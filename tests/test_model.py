@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
-from vlfuse.model import FUSION_OPTIONS, VLFuseModel
+from vlfuse.model import FUSION_OPTIONS, ImageContext, VLFuseModel
 from vlfuse.readouts import READOUTS, PoolReadout, register_readout
 
 from conftest import COLOUR_ANSWERS, logits, make_model, tiny_config
@@ -185,3 +185,16 @@ def test_every_fusion_option_reaches_the_pool_model():
     assert sorted(changed) == sorted(FUSION_OPTIONS)
     model, _ = make_model(**changed)
     assert model.fusion.blocks[0].cross_attn.num_heads == 7
+
+
+def test_image_context_rows_selected_and_concatenated_equal_encoding_those_images():
+    model, batch = make_model()
+    model.eval()
+    pixels = batch["pixel_values"]  # (4, 3, 32, 32)
+    with torch.no_grad():
+        context = model.encode_images(pixels)
+        parts = ImageContext.cat([context.select(slice(2, 3)), context.select(torch.tensor([0, 3]))])
+        direct = model.encode_images(pixels[[2, 0, 3]])
+    for got, want in zip(parts.layers, direct.layers, strict=True):
+        torch.testing.assert_close(got.key, want.key, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.value, want.value, atol=1e-6, rtol=0)
