@@ -1,8 +1,10 @@
 """Training throughput of a config's model, and where the time of a training step goes.
 
 Times, round-robin on the same real batches, (1) a whole training step (forward, backward,
-AdamW), and forward+backward of each part on its own: (2) the image encoder, (3) the text
-encoder, (4) the fusion stack with the projections, pooling and classifier. Prints questions/s
+AdamW), and forward+backward of each stage of the model on its own: (2) the image encoder and
+its projection (``embed_images``), (3) the text encoder and its projection (``encode_questions``),
+(4) the image keys/values, the fusion blocks and the readout (``image_context``, ``fuse``,
+``read_out``). Prints questions/s
 and images/s of the whole step and each part's share of it.
 
     .venv/bin/python scripts/bench_training.py --config configs/easy_vqa.yaml
@@ -52,24 +54,22 @@ def train_step(model, optimizer, batch) -> None:
 
 
 def image_part(model, batch) -> None:
-    tokens = model.image_encoder(batch["pixel_values"])
+    tokens = model.embed_images(batch["pixel_values"])
     tokens.backward(torch.ones_like(tokens))
 
 
 def text_part(model, batch) -> None:
-    states = model.encode_questions(batch["input_ids"], batch["attention_mask"])
-    states.backward(torch.ones_like(states))
+    text = model.encode_questions(batch["input_ids"], batch["attention_mask"])
+    text.backward(torch.ones_like(text))
 
 
-def fusion_part(model, batch, image_tokens, text_states) -> None:
-    """Projections, key/value projection, fusion blocks, pooling and classifier, on cached encoder outputs."""
-    kvs = model.fusion.project_context(model.image_proj(image_tokens))
-    text = model.text_proj(text_states)
-    mask = batch["attention_mask"].bool()
-    fused, _ = model.fusion(text, text_mask=mask, kvs=kvs, image_index=batch["image_index"])
-    weights = mask.unsqueeze(-1).float()
-    pooled = (fused * weights).sum(1) / weights.sum(1)
-    F.cross_entropy(model.head(pooled), batch["labels"], ignore_index=IGNORE_INDEX).backward()
+def fusion_part(model, batch, image_tokens, text) -> None:
+    """Image keys/values, fusion blocks and readout, on cached outputs of the two encoder stages."""
+    context = model.image_context(image_tokens)
+    mask, index = batch["attention_mask"].bool(), batch["image_index"]
+    fused = model.fuse(text, mask, context, index)
+    logits = model.read_out(fused.tokens, mask, context, index)
+    F.cross_entropy(logits, batch["labels"], ignore_index=IGNORE_INDEX).backward()
 
 
 def main() -> None:
@@ -82,12 +82,12 @@ def main() -> None:
     args = parser.parse_args()
 
     model, batches = load_model_and_batches(args.config, args.batches, args.batch_size)
-    if model.fusion is None:
-        parser.error(f"{args.config} builds a model without fusion blocks (readout 'map_program'): nothing to split")
+    if not model.has_fusion_heads:
+        parser.error(f"{args.config} builds a model without fusion blocks (readout {model.config.readout!r}): nothing to split")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with torch.no_grad():
         cached = [
-            (model.image_encoder(b["pixel_values"]), model.encode_questions(b["input_ids"], b["attention_mask"]))
+            (model.embed_images(b["pixel_values"]), model.encode_questions(b["input_ids"], b["attention_mask"]))
             for b in batches
         ]
     # Each part on its own; the text encoder sees each distinct question of a batch once, as in training.
@@ -95,7 +95,7 @@ def main() -> None:
         "whole training step": lambda i: train_step(model, optimizer, batches[i]),
         "image encoder": lambda i: image_part(model, batches[i]),
         "text encoder": lambda i: text_part(model, batches[i]),
-        "fusion stack + heads": lambda i: fusion_part(model, batches[i], *cached[i]),
+        "fusion stack + readout": lambda i: fusion_part(model, batches[i], *cached[i]),
     }
     times: dict[str, list[float]] = {name: [] for name in parts}
     for rep in range(args.warmup + args.repeats):

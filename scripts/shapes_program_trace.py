@@ -15,15 +15,16 @@ import torch
 
 from vlfuse.data.shapes import distinct_queries
 from vlfuse.datamodules import ShapesDataModule
-from vlfuse.layers.map_program import OPERATIONS
 from vlfuse.model import VLFuseModel
+from vlfuse.readouts import OPERATIONS, MapProgramReadout
 
 
 def word_table(model: VLFuseModel, words: list[str]) -> str:
     """A markdown table of what each word does."""
     ids = torch.tensor([model.tokenizer.convert_tokens_to_ids(words)])  # (1, W)
-    weights, offsets = model.reader.operations(model.reader_words(ids))
-    steps = model.reader.offset_steps()
+    reader = model.readout.reader
+    weights, offsets = reader.operations(model.encode_questions(ids, torch.ones_like(ids)))
+    steps = reader.offset_steps()
     lines = ["| word | " + " | ".join(OPERATIONS) + " | moves the set by (weight) |", "|---|---:|---:|---:|---|"]
     for word, mix, offset in zip(words, weights[0].tolist(), offsets[0]):
         best = int(offset.argmax())
@@ -42,14 +43,15 @@ def trace(model: VLFuseModel, image: torch.Tensor, question: str) -> str:
     """The set after each word of ``question`` about ``image`` (1, 3, S, S), right to left."""
     tokens = model.tokenize([question])
     ids, mask = tokens["input_ids"], tokens["attention_mask"].bool()
-    evidence, maps = model.reader(model.reader_words(ids), mask, model.encode_images(image)[0], return_maps=True)
+    words, patches = model.encode_questions(ids, tokens["attention_mask"]), model.encode_images(image).readout
+    evidence, maps = model.readout.reader(words, mask, patches, return_maps=True)
     names = model.tokenizer.convert_ids_to_tokens(ids[0].tolist())
-    rows, cols = model.reader.grid_size
+    rows, cols = model.readout.reader.grid_size
     columns = [(name, grid(maps[0, t], rows, cols)) for t, name in reversed(list(enumerate(names))) if mask[0, t]]
     width = max(len(name) for name, _ in columns)
     lines = ["  ".join(name.ljust(width) for name, _ in columns)]
     lines += ["  ".join(cells[r].ljust(width) for _, cells in columns) for r in range(rows)]
-    answer = model.answers[int(model.head(evidence).argmax())]
+    answer = model.answers[int(model.readout.existence(evidence).argmax())]
     return "\n".join(lines) + f"\nevidence {evidence.item():.2f} -> {answer}"
 
 
@@ -61,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model = VLFuseModel.from_pretrained(args.model).eval()
-    if model.reader is None:
+    if not isinstance(model.readout, MapProgramReadout):
         parser.error(f"{args.model} has no map-program reader (readout {model.config.readout!r})")
     data = ShapesDataModule(data_dir=args.data_dir, image_size=model.config.image.image_size)
     records = data.records("val")

@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny architecture that trains in seconds on CPU."""
+"""Shared fixtures: a tiny architecture that trains in seconds on CPU, toy batches, scored models."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from vlfuse.data import IGNORE_INDEX, GroupedVQADataset, ImageQuestions, collate_grouped
+from vlfuse.data.answers import AnswerVocab
 from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
-from vlfuse.model import VLFuseConfig
+from vlfuse.model import VLFuseConfig, VLFuseModel
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -69,3 +71,82 @@ def one_thread():
 @pytest.fixture
 def tiny() -> VLFuseConfig:
     return tiny_config()
+
+
+def logits(model: VLFuseModel, batch: dict, **kwargs) -> torch.Tensor:
+    """The model's logits on a :func:`~vlfuse.data.collate_grouped` batch; ``kwargs`` go to ``forward``."""
+    pixels = batch["pixel_values"].to(next(model.parameters()).dtype)
+    tokens = model.tokenize(batch["questions"])
+    return model(pixels, **tokens, image_index=batch["image_index"], **kwargs).logits
+
+
+# -------------------------------------------------- red or blue images, two questions each
+COLOUR_ANSWERS = ["no", "yes", "red", "blue"]
+
+
+def toy_batch(n_images: int = 4, size: int = 32, seed: int = 0) -> tuple[list[ImageQuestions], dict]:
+    """Images that are red or blue, each with two questions: the records and their batch."""
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(n_images):
+        colour = "red" if i % 2 == 0 else "blue"
+        pixels = (torch.rand(size, size, 3, generator=g) * 60).to(torch.uint8)
+        pixels[..., 0 if colour == "red" else 2] += 150
+        records.append(
+            ImageQuestions(
+                pixels.numpy(),
+                ["what color is the shape?", f"is there a {colour} shape?"],
+                [colour, "yes"],
+                image_id=str(i),
+            )
+        )
+    dataset = GroupedVQADataset(records, AnswerVocab(COLOUR_ANSWERS), size)
+    return records, collate_grouped([dataset[i] for i in range(len(dataset))])
+
+
+def make_model(**overrides) -> tuple[VLFuseModel, dict]:
+    """A tiny model (``tiny_config(**overrides)``) over :data:`COLOUR_ANSWERS` and a :func:`toy_batch`."""
+    torch.manual_seed(0)
+    records, batch = toy_batch()
+    questions = [q for r in records for q in r.questions]
+    return VLFuseModel.from_config(tiny_config(**overrides), COLOUR_ANSWERS, questions), batch
+
+
+# ---------------------------------------- an untrained model whose heads are scored and pruned
+SCORED_ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
+SCORED_QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a blue shape?", "what shape is it?"]
+HEADS = {0: [1, 5, 9], 1: [0, 2, 3, 15]}
+"""Heads that tests prune: ``{layer: original ids}``."""
+
+
+def make_batches(seed: int = 1) -> list[dict]:
+    """Two batches of 3 random images with 1-4 questions each; one label is IGNORE_INDEX."""
+    g = torch.Generator().manual_seed(seed)
+    items = [
+        {
+            "pixel_values": torch.rand(3, 32, 32, generator=g),
+            "questions": SCORED_QUESTIONS[: 1 + i % 4],
+            "labels": torch.randint(0, len(SCORED_ANSWERS), (1 + i % 4,), generator=g),
+        }
+        for i in range(6)
+    ]
+    items[2]["labels"][0] = IGNORE_INDEX
+    return [collate_grouped(items[:3]), collate_grouped(items[3:])]
+
+
+@pytest.fixture(scope="module")
+def model() -> VLFuseModel:
+    """Tiny, untrained and ungated (so that every cross-attention head changes the answer scores), in eval mode."""
+    torch.manual_seed(0)
+    return VLFuseModel.from_config(tiny_config(gated=False), SCORED_ANSWERS, SCORED_QUESTIONS).eval()
+
+
+@pytest.fixture(scope="module")
+def batches(model) -> list[dict]:
+    """:func:`make_batches` labelled with ``model``'s own answers: accuracy 1 with every head, lower without some."""
+    batches = make_batches()
+    with torch.no_grad():
+        for batch in batches:
+            valid = batch["labels"] != IGNORE_INDEX
+            batch["labels"][valid] = logits(model, batch).argmax(-1)[valid]
+    return batches

@@ -1,4 +1,4 @@
-"""Head gates, the three head scores and the pruning curve, on a tiny untrained model."""
+"""Head masks, the three head scores and the pruning curve, on a tiny untrained model."""
 
 import math
 
@@ -9,74 +9,32 @@ import torch.nn.functional as F
 from vlfuse.analysis.head_scores import (
     ablation_scores,
     evaluate,
+    full_head_mask,
     gradient_scores,
-    head_gates,
     pruning_curve,
     weight_norm_scores,
 )
 from vlfuse.analysis.pruning import heads_to_prune, prune_model
-from vlfuse.data import IGNORE_INDEX, collate_grouped
+from vlfuse.data import IGNORE_INDEX
 from vlfuse.model import VLFuseModel
 
-from conftest import tiny_config
+from conftest import HEADS, SCORED_ANSWERS, SCORED_QUESTIONS, logits, make_batches, tiny_config
 
-ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
-QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a blue shape?", "what shape is it?"]
-HEADS = {0: [1, 5, 9], 1: [0, 2, 3, 15]}
-
+ANSWERS, QUESTIONS = SCORED_ANSWERS, SCORED_QUESTIONS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_batches(seed: int = 1) -> list[dict]:
-    """Two batches of 3 random images with 1-4 questions each; one label is IGNORE_INDEX."""
-    g = torch.Generator().manual_seed(seed)
-    items = [
-        {
-            "pixel_values": torch.rand(3, 32, 32, generator=g),
-            "questions": QUESTIONS[: 1 + i % 4],
-            "labels": torch.randint(0, len(ANSWERS), (1 + i % 4,), generator=g),
-        }
-        for i in range(6)
-    ]
-    items[2]["labels"][0] = IGNORE_INDEX
-    return [collate_grouped(items[:3]), collate_grouped(items[3:])]
-
-
-def logits(model, batch):
-    pixels = batch["pixel_values"].to(next(model.parameters()).dtype)
-    return model(pixels, **model.tokenize(batch["questions"]), image_index=batch["image_index"]).logits
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    # Ungated, so that every cross-attention head changes the answer scores.
-    return VLFuseModel.from_config(tiny_config(gated=False), ANSWERS, QUESTIONS).eval()
-
-
-@pytest.fixture(scope="module")
-def batches(model):
-    """Labelled with the model's own answers: accuracy 1 with every head, lower without some."""
-    batches = make_batches()
-    with torch.no_grad():
-        for batch in batches:
-            valid = batch["labels"] != IGNORE_INDEX
-            batch["labels"][valid] = logits(model, batch).argmax(-1)[valid]
-    return batches
-
-
-# ------------------------------------------------------------------------------------- gates
-def test_gates_of_one_leave_the_logits_unchanged_and_hooks_go_on_exit(model, batches):
+# -------------------------------------------------------------------------------- head mask
+def test_a_full_head_mask_leaves_the_logits_unchanged(model, batches):
     with torch.no_grad():
         expected = logits(model, batches[0])
-        with head_gates(model) as gates:
-            assert gates.shape == (2, 16) and bool((gates == 1).all())
-            torch.testing.assert_close(logits(model, batches[0]), expected, atol=0, rtol=0)
-        with head_gates(model, rows=len(batches[0]["questions"])) as gates:
-            assert gates.shape == (len(batches[0]["questions"]), 2, 16)
-            torch.testing.assert_close(logits(model, batches[0]), expected, atol=0, rtol=0)
-    assert all(not block.cross_attn.out_proj._forward_pre_hooks for block in model.fusion.blocks)
+        mask = full_head_mask(model)
+        assert mask.shape == (2, 16) and bool((mask == 1).all())
+        torch.testing.assert_close(logits(model, batches[0], head_mask=mask), expected, atol=0, rtol=0)
+        rows = full_head_mask(model, rows=len(batches[0]["questions"]))
+        assert rows.shape == (len(batches[0]["questions"]), 2, 16)
+        torch.testing.assert_close(logits(model, batches[0], head_mask=rows), expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("already_pruned", [{}, {0: [2], 1: [7, 8]}])
@@ -84,19 +42,19 @@ def test_gate_zero_gives_the_logits_of_physical_pruning(model, batches, already_
     base = prune_model(model, already_pruned) if already_pruned else model
     with torch.no_grad():
         expected = logits(prune_model(base, HEADS), batches[1])
-        with head_gates(base) as gates:
-            for layer, heads in already_pruned.items():
-                assert bool((gates[layer, heads] == 0).all())  # removed heads are excluded
-            for layer, heads in HEADS.items():
-                gates[layer, heads] = 0.0
-            gated = logits(base, batches[1])
+        gates = full_head_mask(base)
+        for layer, heads in already_pruned.items():
+            assert bool(gates[layer, heads].isnan().all())  # removed heads are ignored
+        for layer, heads in HEADS.items():
+            gates[layer, heads] = 0.0
+        gated = logits(base, batches[1], head_mask=gates)
         assert not torch.allclose(gated, logits(base, batches[1]))  # the gates did something
     torch.testing.assert_close(gated, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_per_question_gates_refuse_another_batch_size(model, batches):
-    with torch.no_grad(), head_gates(model, rows=2), pytest.raises(ValueError, match=r"rows=2.*questions"):
-        logits(model, batches[0])
+    with torch.no_grad(), pytest.raises(ValueError, match=r"head_mask must have shape \(16,\) or \(\d+, 16\)"):
+        logits(model, batches[0], head_mask=full_head_mask(model, rows=2))
 
 
 # ------------------------------------------------------------------------------------ scores
@@ -123,12 +81,13 @@ def test_gradient_score_equals_a_finite_difference_estimate():
     scores = gradient_scores(model, batches, normalize=False).double()
 
     eps, total, count = 1e-6, torch.zeros(2, 4, dtype=torch.float64), 0
-    with torch.no_grad(), head_gates(model) as gates:
+    gates = full_head_mask(model)
+    with torch.no_grad():
         for batch in batches:
             valid = batch["labels"] != IGNORE_INDEX
 
             def losses():  # per question
-                return F.cross_entropy(logits(model, batch), batch["labels"], reduction="none")[valid]
+                return F.cross_entropy(logits(model, batch, head_mask=gates), batch["labels"], reduction="none")[valid]
 
             for layer in range(2):
                 for head in range(4):
@@ -188,4 +147,4 @@ def test_pruning_curve_equals_evaluating_physically_pruned_models(model, batches
     for fraction, accuracy in curve[1:]:
         expected = evaluate(prune_model(model, heads_to_prune(scores, fraction=fraction)), batches)
         assert math.isclose(accuracy, expected)
-    assert model.training is False and all(not b.cross_attn.out_proj._forward_pre_hooks for b in model.fusion.blocks)
+    assert model.training is False

@@ -1,17 +1,20 @@
 """MapProgramReader: offsets, the three operations on hand-set weights, padding, and the model readout."""
 
+import json
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from vlfuse.data.shapes import COLOURS, RELATIONS, SHAPES, evaluate, parse_query, sample_scenes, to_english
 from vlfuse.data.shapes import _shift as shift  # the dataset's own relation semantics
 from vlfuse.encoders import TextEncoderConfig
 from vlfuse.layers import MapProgramReader
-from vlfuse.layers.map_program import OPERATIONS, ExistenceClassifier, relative_offsets
-from vlfuse.model import VLFuseConfig, VLFuseModel
+from vlfuse.model import FUSION_OPTIONS, VLFuseConfig, VLFuseModel
+from vlfuse.readouts import OPERATIONS, ExistenceClassifier, relative_offsets
 
 from conftest import REPO, tiny_config
 
@@ -71,25 +74,32 @@ def tokens_for(program: list[int], length: int) -> tuple[torch.Tensor, torch.Ten
     return tokens, mask
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(1, 7))
 def test_hand_set_reader_runs_the_program_right_to_left(seed):
-    """[find X, move right, move down, find Y] = X and below(right_of(Y)), checked by hand."""
+    """[find X, move down, find Y, move right, keep, find Y] = X and below(Y and right_of(Y)), step by step.
+
+    The find between the two moves makes their order matter: run left to right, or with the moves
+    swapped, the steps below would differ.
+    """
     rng = np.random.default_rng(seed)
-    x_cells, y_cells = rng.random((3, 3)) < 0.4, rng.random((3, 3)) < 0.4
+    x_cells, y_cells = rng.random((3, 3)) < 0.5, rng.random((3, 3)) < 0.5
     patches = torch.tensor(np.stack([x_cells.ravel(), y_cells.ravel()], -1), dtype=torch.float32) * 2 - 1
     patches = torch.cat([patches, torch.zeros(9, DIM - 2)], -1)[None]  # (1, 9, DIM)
     reader = hand_set_reader()
-    tokens, mask = tokens_for([FIND_X, MOVE_DOWN, MOVE_RIGHT, KEEP, FIND_Y], length=7)  # 2 padding tokens
+    program = [FIND_X, MOVE_DOWN, FIND_Y, MOVE_RIGHT, KEEP, FIND_Y]
+    tokens, mask = tokens_for(program, length=8)  # 2 padding tokens
     with torch.no_grad():
         evidence, maps = reader(tokens, mask, reader.project_context(patches), return_maps=True)
-    expected = x_cells & shift(shift(y_cells, *RELATIONS["right_of"]), *RELATIONS["below"])
-    assert maps.shape == (1, 7, 9)
-    np.testing.assert_allclose(maps[0, 0].numpy(), expected.ravel().astype(np.float32), atol=1e-4)
-    np.testing.assert_allclose(maps[0, 4].numpy(), y_cells.ravel().astype(np.float32), atol=1e-4)  # first step
-    assert torch.equal(maps[0, 5], torch.ones(9)) and torch.equal(maps[0, 6], torch.ones(9))  # padding: untouched
-    # evidence: log of the set's size (>= log 1 when not empty, far below 0 when empty)
-    assert evidence.item() == pytest.approx(math.log(expected.sum()) if expected.any() else evidence.item(), abs=1e-3)
-    assert (evidence.item() > -1e-3) == expected.any() and (evidence.item() < -20) == (not expected.any())
+    right_of_y = shift(y_cells, *RELATIONS["right_of"])
+    below = shift(y_cells & right_of_y, *RELATIONS["below"])
+    steps = [x_cells & below, below, y_cells & right_of_y, right_of_y, y_cells, y_cells]  # map after token t
+    assert not np.array_equal(right_of_y, shift(y_cells, *RELATIONS["below"]))  # a swap of the moves would show
+    assert maps.shape == (1, 8, 9)
+    for t, expected in enumerate(steps):
+        np.testing.assert_allclose(maps[0, t].numpy(), expected.ravel().astype(np.float32), atol=1e-4, err_msg=f"token {t}")
+    assert torch.equal(maps[0, 6], torch.ones(9)) and torch.equal(maps[0, 7], torch.ones(9))  # padding: untouched
+    # evidence: the log of the set's (soft) size
+    assert math.exp(evidence.item()) == pytest.approx(steps[0].sum(), abs=1e-3)
 
 
 def test_shared_images_give_the_same_evidence_as_copies():
@@ -114,7 +124,10 @@ def test_wrong_grid_is_named():
 def reader_config(**overrides) -> VLFuseConfig:
     """conftest's tiny model with the map-program readout (no fusion blocks, text depth 0)."""
     settings = dict(
-        text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16), fusion_depth=0, readout="map_program"
+        text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16),
+        fusion_depth=0,
+        readout="map_program",
+        dropout=VLFuseConfig.dropout,  # the reader has no dropout: tiny_config's 0.0 would be refused
     )
     return tiny_config(**{**settings, **overrides})
 
@@ -125,13 +138,13 @@ QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a ci
 def test_model_with_map_readout_trains_saves_and_reloads(tmp_path):
     torch.manual_seed(0)
     model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS)
-    assert model.reader.grid_size == (4, 4) and model.fusion is None and model.num_fusion_layers == 0
+    assert model.readout.reader.grid_size == (4, 4) and not model.has_fusion_heads and model.num_fusion_layers == 0
     batch = model.tokenize(QUESTIONS)
     pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
     out = model(pixels, batch["input_ids"], batch["attention_mask"], image_index=index)
     assert out.logits.shape == (3, 2)
     out.logits[:, 1].sum().backward()
-    assert model.reader.find_key[0].weight.grad.abs().sum() > 0  # the image reaches the answer through the reader
+    assert model.readout.reader.find_key[0].weight.grad.abs().sum() > 0  # the image reaches the answer through the reader
     assert model.text_encoder.model.get_input_embeddings().weight.grad.abs().sum() > 0  # and the words
     assert model.image_encoder.vit.patch_embed.proj.weight.grad.abs().sum() > 0
     model.save_pretrained(tmp_path / "m")
@@ -157,11 +170,54 @@ def test_unknown_readout_and_fusion_blocks_with_the_reader_are_refused():
         VLFuseModel.from_config(reader_config(), ["red", "green", "blue"], QUESTIONS)
 
 
+WITHOUT_EFFECT = dict(
+    fusion_heads=8, mlp_ratio=4.0, dropout=0.0, attn_dropout=0.1, text_self_attention=False, gated=False,
+    attention_normalizer="leaky_relu", diversity_weight=0.5, output_gate=True, mlp_type="swiglu",
+    pruned_heads={"0": [1]},
+)
+
+
+def test_every_fusion_option_is_tried_below():
+    assert sorted(WITHOUT_EFFECT) == sorted(FUSION_OPTIONS)
+
+
+@pytest.mark.parametrize("option", sorted(WITHOUT_EFFECT))
+def test_an_option_without_effect_on_the_reader_is_refused_by_name(option):
+    value = WITHOUT_EFFECT[option]
+    message = f"options without effect with readout 'map_program' (no fusion blocks): {option}={value!r}; "
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        VLFuseModel.from_config(reader_config(**{option: value}), ["no", "yes"], QUESTIONS)
+    assert "\n" not in str(info.value)
+
+
+def test_a_format_1_reader_saved_with_options_it_ignored_loads_with_the_same_logits(tmp_path):
+    """Format 1 accepted options the reader never read; loading resets them, the answers stay."""
+    torch.manual_seed(0)
+    model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS).eval()
+    directory = model.save_pretrained(tmp_path / "m")
+    meta = json.loads((directory / "config.json").read_text())
+    meta["format_version"] = 1
+    meta["config"].update(diversity_weight=0.5, output_gate=True, dropout=0.0)
+    (directory / "config.json").write_text(json.dumps(meta))
+    state = load_file(directory / "model.safetensors")
+    v1 = {key.replace("readout.existence.", "head.").replace("readout.", ""): value for key, value in state.items()}
+    assert "head.bias" in v1 and "reader.find_key.0.weight" in v1 and "word_norm.weight" in v1
+    save_file(v1, directory / "model.safetensors")
+    loaded = VLFuseModel.from_pretrained(directory)
+    assert loaded.config.diversity_weight == 0.0 and loaded.config.output_gate is False
+    tokens = model.tokenize(QUESTIONS)
+    pixels = torch.rand(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(pixels, **tokens).logits, model(pixels, **tokens).logits, atol=0, rtol=0)
+
+
 def test_reader_model_refuses_what_needs_fusion_heads():
     model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS)
     batch = model.tokenize(QUESTIONS[:1])
-    with pytest.raises(ValueError, match="no fusion layers"):
+    with pytest.raises(ValueError, match="no fusion heads to mask or draw: its readout 'map_program'"):
         model(torch.rand(1, 3, 32, 32), batch["input_ids"], batch["attention_mask"], weights_from=[0])
+    with pytest.raises(ValueError, match="no fusion heads to mask or draw"):
+        model(torch.rand(1, 3, 32, 32), batch["input_ids"], batch["attention_mask"], head_mask=torch.ones(1, 16))
     with pytest.raises(ValueError, match="no fusion heads to prune"):
         model.prune_heads({0: [1]})
 
@@ -169,6 +225,7 @@ def test_reader_model_refuses_what_needs_fusion_heads():
 def test_predictor_answers_with_a_reader_model_and_refuses_attention_maps(tmp_path):
     from PIL import Image
 
+    from vlfuse.data import preprocess_image
     from vlfuse.predict import Predictor
 
     torch.manual_seed(0)
@@ -176,8 +233,14 @@ def test_predictor_answers_with_a_reader_model_and_refuses_attention_maps(tmp_pa
     predictor = Predictor(model)
     images = [Image.new("RGB", (32, 32), colour) for colour in ("red", "blue")]
     answers = predictor.predict(images, QUESTIONS[:2])
-    assert [a["answer"] in ("false", "true") for a in answers] == [True, True]
-    with pytest.raises(ValueError, match="no fusion layers"):
+    pixels = torch.stack([preprocess_image(image, 32) for image in images])
+    tokens = model.tokenize(QUESTIONS[:2])
+    with torch.no_grad():
+        probabilities = model(pixels, tokens["input_ids"], tokens["attention_mask"]).logits.softmax(-1)
+    best = probabilities.max(-1)
+    assert [a["answer"] for a in answers] == [model.answers[i] for i in best.indices.tolist()]
+    assert [a["score"] for a in answers] == pytest.approx(best.values.tolist(), abs=1e-6)
+    with pytest.raises(ValueError, match="no fusion heads to draw attention maps"):
         predictor.predict(images, QUESTIONS[:2], attention_maps=tmp_path)
 
 

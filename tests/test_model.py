@@ -1,49 +1,17 @@
+import copy
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from vlfuse.data import GroupedVQADataset, ImageQuestions, collate_grouped
-from vlfuse.data.answers import AnswerVocab
 from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
-from vlfuse.model import VLFuseModel
+from vlfuse.model import FUSION_OPTIONS, ImageContext, VLFuseModel
+from vlfuse.readouts import READOUTS, PoolReadout, register_readout
 
-from conftest import tiny_config
+from conftest import COLOUR_ANSWERS, logits, make_model, tiny_config
 
-ANSWERS = ["no", "yes", "red", "blue"]
-
-
-def toy_batch(n_images=4, size=32, seed=0):
-    """Images that are red or blue, each with two questions."""
-    g = torch.Generator().manual_seed(seed)
-    records = []
-    for i in range(n_images):
-        colour = "red" if i % 2 == 0 else "blue"
-        pixels = (torch.rand(size, size, 3, generator=g) * 60).to(torch.uint8)
-        pixels[..., 0 if colour == "red" else 2] += 150
-        records.append(
-            ImageQuestions(
-                pixels.numpy(),
-                ["what color is the shape?", f"is there a {colour} shape?"],
-                [colour, "yes"],
-                image_id=str(i),
-            )
-        )
-    dataset = GroupedVQADataset(records, AnswerVocab(ANSWERS), size)
-    return records, collate_grouped([dataset[i] for i in range(len(dataset))])
-
-
-def make_model(**overrides):
-    torch.manual_seed(0)
-    records, batch = toy_batch()
-    questions = [q for r in records for q in r.questions]
-    return VLFuseModel.from_config(tiny_config(**overrides), ANSWERS, questions), batch
-
-
-def logits(model, batch, **kw):
-    tokens = model.tokenize(batch["questions"])
-    return model(batch["pixel_values"], **tokens, image_index=batch["image_index"], **kw).logits
+ANSWERS = COLOUR_ANSWERS
 
 
 def test_forward_shapes_and_attention_weights():
@@ -86,7 +54,7 @@ def test_loading_reports_missing_files_other_versions_and_answer_mismatch(tmp_pa
     directory = model.save_pretrained(tmp_path / "m")
     answers = directory / "answers.json"
     answers.write_text(json.dumps(ANSWERS + ["green"]))
-    with pytest.raises(ValueError, match="5 answers but the classifier .* has 4 outputs"):
+    with pytest.raises(ValueError, match=r"\(5 answers\): readout.classifier.2.bias is \(4,\) in the file, \(5,\) in the model"):
         VLFuseModel.from_pretrained(directory)
     answers.unlink()
     with pytest.raises(FileNotFoundError, match="missing answers.json"):
@@ -120,7 +88,7 @@ def test_frozen_encoders_get_no_gradient():
     logits(model.train(), batch).sum().backward()
     assert all(p.grad is None for p in model.image_encoder.parameters())
     assert all(p.grad is None for p in model.text_encoder.parameters())
-    assert model.head[-1].weight.grad is not None
+    assert model.readout.classifier[-1].weight.grad is not None
 
 
 def test_unknown_encoder_names_give_one_line_errors():
@@ -142,5 +110,91 @@ def test_repeated_questions_are_encoded_once_with_the_same_result():
     deduplicated = model.encode_questions(**tokens)
     hook.remove()
     assert calls == [len(set(batch["questions"]))] and calls[0] < len(batch["questions"])
-    direct = model.text_encoder(tokens["input_ids"], tokens["attention_mask"])
+    direct = model.text_proj(model.text_encoder(tokens["input_ids"], tokens["attention_mask"]))
     torch.testing.assert_close(deduplicated, direct, atol=1e-5, rtol=0)
+
+
+def test_forward_is_the_composition_of_the_four_stages():
+    model, batch = make_model()
+    model.prune_heads({0: [3]})
+    model.eval()
+    tokens = model.tokenize(batch["questions"])
+    out = model(batch["pixel_values"], **tokens, image_index=batch["image_index"], weights_from=[1])
+    context = model.encode_images(batch["pixel_values"])
+    text_mask = tokens["attention_mask"].bool()
+    text = model.encode_questions(**tokens)
+    fused = model.fuse(text, text_mask, context, batch["image_index"], weights_from=[1])
+    staged = model.read_out(fused.tokens, text_mask, context, batch["image_index"])
+    assert torch.equal(staged, out.logits)
+    assert torch.equal(fused.attentions[1], out.attentions[1])
+
+
+def test_head_mask_zero_gives_the_logits_of_the_pruned_model():
+    model, batch = make_model()
+    model.prune_heads({1: [2]})  # head 2 of layer 1 is gone: its entry is ignored
+    model.eval()
+    pruned = copy.deepcopy(model)
+    pruned.prune_heads({0: [0, 7], 1: [5]})
+    mask = torch.ones(2, 16)
+    mask[0, [0, 7]] = 0.0
+    mask[1, 5] = 0.0
+    mask[1, 2] = float("nan")
+    torch.testing.assert_close(logits(model, batch, head_mask=mask), logits(pruned, batch), atol=1e-5, rtol=0)
+    per_question = mask.expand(len(batch["questions"]), 2, 16).clone()
+    per_question[1:] = 1.0  # only the first question loses the heads
+    mixed = logits(model, batch, head_mask=per_question)
+    torch.testing.assert_close(mixed[0], logits(pruned, batch)[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(mixed[1:], logits(model, batch)[1:], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"head_mask must be \(layers, heads\) \(2, 16\)"):
+        logits(model, batch, head_mask=torch.ones(16))
+
+
+def test_a_registered_readout_is_chosen_by_its_config_name():
+    @register_readout
+    class MaxReadout(PoolReadout):
+        name = "max_for_test"
+
+        def pool(self, tokens, text_mask):
+            return tokens.masked_fill(~text_mask[..., None], float("-inf")).amax(1)
+
+    try:
+        model, batch = make_model(readout="max_for_test")
+        model.eval()
+        assert isinstance(model.readout, MaxReadout)
+        tokens = model.tokenize(batch["questions"])
+        fused = model.fuse(model.encode_questions(**tokens), tokens["attention_mask"].bool(),
+                           model.encode_images(batch["pixel_values"]), batch["image_index"]).tokens
+        expected = model.readout.classifier(fused.masked_fill(~tokens["attention_mask"].bool()[..., None], -1e9).amax(1))
+        torch.testing.assert_close(logits(model, batch), expected, atol=1e-6, rtol=0)
+    finally:
+        del READOUTS["max_for_test"]
+
+
+def test_unknown_readout_and_a_pool_model_without_fusion_blocks_are_refused():
+    with pytest.raises(ValueError, match=r"readout must be one of \['map_program', 'pool'\], got 'max'"):
+        make_model(readout="max")
+    with pytest.raises(ValueError, match="readout 'pool' reads fused tokens: fusion_depth must be at least 1, got 0"):
+        make_model(fusion_depth=0)
+
+
+def test_every_fusion_option_reaches_the_pool_model():
+    """The pool readout reads the fusion stack: no fusion option is refused as without effect."""
+    changed = dict(fusion_heads=8, mlp_ratio=1.0, dropout=0.2, attn_dropout=0.1, text_self_attention=False,
+                   gated=False, attention_normalizer="leaky_relu", diversity_weight=0.5, output_gate=True,
+                   mlp_type="swiglu", pruned_heads={"0": [1]})
+    assert sorted(changed) == sorted(FUSION_OPTIONS)
+    model, _ = make_model(**changed)
+    assert model.fusion.blocks[0].cross_attn.num_heads == 7
+
+
+def test_image_context_rows_selected_and_concatenated_equal_encoding_those_images():
+    model, batch = make_model()
+    model.eval()
+    pixels = batch["pixel_values"]  # (4, 3, 32, 32)
+    with torch.no_grad():
+        context = model.encode_images(pixels)
+        parts = ImageContext.cat([context.select(slice(2, 3)), context.select(torch.tensor([0, 3]))])
+        direct = model.encode_images(pixels[[2, 0, 3]])
+    for got, want in zip(parts.layers, direct.layers, strict=True):
+        torch.testing.assert_close(got.key, want.key, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.value, want.value, atol=1e-6, rtol=0)

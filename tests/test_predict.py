@@ -234,9 +234,13 @@ def test_too_long_question_is_truncated_with_a_warning(predictor, images):
 
 
 def test_unknown_words_are_named_in_a_warning(predictor, images):
+    question = "Is there a purple zorgon? a zorgon?"
     with pytest.warns(PredictWarning, match=r"^row 0: unknown words, read as \[UNK\]: 'purple', 'zorgon'$"):
-        [result] = predictor.predict([images[0]], ["Is there a purple zorgon? a zorgon?"])
-    assert result["answer"] in ANSWERS
+        [result] = predictor.predict([images[0]], [question])
+    assert result["warnings"] == ["unknown words, read as [UNK]: 'purple', 'zorgon'"]
+    ids = predictor.model.tokenize([question])["input_ids"][0]
+    assert int((ids == predictor.model.tokenizer.unk_token_id).sum()) == 3  # what the warning says
+    assert_matches([result], reference(predictor.model, [images[0]], [question]))  # and it is still answered
     with warnings.catch_warnings():
         warnings.simplefilter("error", PredictWarning)
         predictor.predict([images[0]], ["IS there a RED shape?"])  # known words, any case: no warning

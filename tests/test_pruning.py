@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from vlfuse.analysis.data import build_datamodule, load_batches
-from vlfuse.analysis.head_scores import ablation_scores, evaluate, gradient_scores, weight_norm_scores
+from vlfuse.analysis.head_scores import evaluate, score_heads
 from vlfuse.analysis.pruning import (
     Latency,
     count_parameters,
@@ -23,8 +23,7 @@ from vlfuse.data import IGNORE_INDEX, preprocess_image
 from vlfuse.model import VLFuseModel
 from vlfuse.predict import Predictor
 
-from conftest import REPO, tiny_cli_args
-from test_head_scores import ANSWERS, HEADS, batches, logits, model  # noqa: F401 (fixtures)
+from conftest import HEADS, REPO, SCORED_ANSWERS, logits, tiny_cli_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,12 +85,8 @@ def test_bad_rules_are_refused(kwargs, message):
 
 
 @pytest.mark.parametrize("score", ["weight_norm", "gradient", "ablation"])
-def test_pruning_by_each_score_removes_its_lowest_heads(model, batches, score):  # noqa: F811
-    scores = {
-        "weight_norm": lambda: weight_norm_scores(model),
-        "gradient": lambda: gradient_scores(model, batches),
-        "ablation": lambda: ablation_scores(model, batches),
-    }[score]()
+def test_pruning_by_each_score_removes_its_lowest_heads(model, batches, score):
+    scores = score_heads(model, score, batches)
     pruned = prune_model(model, heads_to_prune(scores, fraction=0.25))
     lowest = torch.argsort(scores.flatten(), stable=True)[:8]  # 8 of 32; ties in (layer, head) order
     expected = {(int(i) // 16, int(i) % 16) for i in lowest}
@@ -101,7 +96,7 @@ def test_pruning_by_each_score_removes_its_lowest_heads(model, batches, score): 
 
 
 # ------------------------------------------------------------------------- the pruned model
-def test_prune_model_copies_and_counts_the_removed_weights(model):  # noqa: F811
+def test_prune_model_copies_and_counts_the_removed_weights(model):
     pruned = prune_model(model, HEADS)
     assert heads_per_layer(pruned) == [13, 12] and heads_per_layer(model) == [16, 16]
     assert pruned.config.pruned_heads == {"0": [1, 5, 9], "1": [0, 2, 3, 15]}
@@ -111,7 +106,7 @@ def test_prune_model_copies_and_counts_the_removed_weights(model):  # noqa: F811
     assert count_parameters(model) - count_parameters(pruned) == 7 * per_head
 
 
-def test_a_pruned_model_saves_loads_and_predicts(model, tmp_path):  # noqa: F811
+def test_a_pruned_model_saves_loads_and_predicts(model, tmp_path):
     pruned = prune_model(model, HEADS)
     directory = pruned.save_pretrained(tmp_path / "pruned")
     loaded = VLFuseModel.from_pretrained(directory)
@@ -125,11 +120,11 @@ def test_a_pruned_model_saves_loads_and_predicts(model, tmp_path):  # noqa: F811
     pixels = torch.stack([preprocess_image(image, 32) for image in images])
     with torch.no_grad():
         probs = pruned(pixels, **pruned.tokenize(questions)).logits.softmax(-1)
-    assert [r["answer"] for r in results] == [ANSWERS[i] for i in probs.argmax(-1)]
+    assert [r["answer"] for r in results] == [SCORED_ANSWERS[i] for i in probs.argmax(-1)]
     torch.testing.assert_close(torch.tensor([r["score"] for r in results]), probs.max(-1).values, atol=1e-5, rtol=0)
 
 
-def test_take_questions_keeps_only_the_images_asked_about(batches):  # noqa: F811
+def test_take_questions_keeps_only_the_images_asked_about(batches):
     batch = take_questions(batches, 9)  # batch 0 has 1+2+3 questions about 3 images; then 3 of batch 1's first image
     assert batch["questions"] == batches[0]["questions"] + batches[1]["questions"][:3]
     assert batch["image_index"].tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3]
@@ -137,7 +132,7 @@ def test_take_questions_keeps_only_the_images_asked_about(batches):  # noqa: F81
     assert len(take_questions(batches, 100)["questions"]) == 13
 
 
-def test_measure_latency_times_every_model(model, batches):  # noqa: F811
+def test_measure_latency_times_every_model(model, batches):
     pruned = prune_model(model, HEADS)
     latency = measure_latency({"before": model, "after": pruned}, take_questions(batches, 8), repeats=2, warmup=1)
     assert set(latency) == {"before", "after"}
@@ -170,7 +165,7 @@ def test_vlfuse_prune_end_to_end(trained, tmp_path, capsys):
     model = VLFuseModel.from_pretrained(out)
     assert heads_per_layer(model) == [8]
     original = VLFuseModel.from_pretrained(trained / "model")
-    assert not torch.equal(model.head[2].weight, original.head[2].weight)  # fine-tuned
+    assert not torch.equal(model.readout.classifier[2].weight, original.readout.classifier[2].weight)  # fine-tuned
     [answer] = Predictor.from_pretrained(out).predict([np.zeros((64, 64, 3), np.uint8)], ["what color is the shape?"])
     assert answer["answer"] in model.answers
 
@@ -223,4 +218,4 @@ def test_fraction_zero_with_fine_tuning_is_the_unpruned_control(trained, tmp_pat
     model = VLFuseModel.from_pretrained(out)
     original = VLFuseModel.from_pretrained(trained / "model")
     assert heads_per_layer(model) == [16]
-    assert not torch.equal(model.head[2].weight, original.head[2].weight)  # fine-tuned all the same
+    assert not torch.equal(model.readout.classifier[2].weight, original.readout.classifier[2].weight)  # fine-tuned all the same

@@ -24,8 +24,7 @@ from tqdm import tqdm
 
 from vlfuse.analysis.attention_maps import draw_attention_map, select_query, split_prefix
 from vlfuse.data import ImageLoadError, ImageSource, preprocess_image
-from vlfuse.layers import ProjectedContext
-from vlfuse.model import VLFuseModel
+from vlfuse.model import ImageContext, VLFuseModel
 
 ERROR_POLICIES = ("raise", "report")
 PROGRESS_MIN_PAIRS = 256
@@ -51,10 +50,10 @@ class _Pair:
 
 @dataclass
 class _EncodedImage:
-    """An image as the model saw it, ``pixels`` (3, S, S), and its keys/values for every fusion layer."""
+    """An image as the model saw it, ``pixels`` (3, S, S), and its :class:`~vlfuse.model.ImageContext` (batch of one)."""
 
     pixels: torch.Tensor
-    kvs: list[ProjectedContext]
+    context: ImageContext
 
 
 class Predictor:
@@ -180,8 +179,7 @@ class Predictor:
             if attention_layers is not None or attention_token is not None:
                 raise ValueError("attention_layers and attention_token need attention_maps (the directory to write to)")
             return []
-        if depth == 0:
-            raise ValueError("attention_maps asked for, but this model has no fusion layers (readout 'map_program')")
+        self.model.require_fusion_heads("draw attention maps of")
         layers = list(range(depth)) if attention_layers is None else sorted(set(attention_layers))
         bad = [layer for layer in layers if not 0 <= layer < depth]
         if bad:
@@ -281,10 +279,9 @@ class Predictor:
         if not new:
             return
         pixels = torch.stack(list(new.values())).to(self.device)  # (Bi, 3, S, S)
-        kvs = self.model.encode_images(pixels)  # per layer: (Bi, H, Li, hd)
+        context = self.model.encode_images(pixels)  # per layer: (Bi, H, Li, hd)
         for i, key in enumerate(new):
-            own = [_image_row(kv, i) for kv in kvs]  # (1, H, Li, hd) views
-            encoded[key] = _EncodedImage(pixels[i], own)
+            encoded[key] = _EncodedImage(pixels[i], context.select(slice(i, i + 1)))  # views, batch of one
 
     def _answer(
         self,
@@ -301,7 +298,7 @@ class Predictor:
         keys = list(dict.fromkeys(pairs[r].key for r in rows))
         slot = {key: i for i, key in enumerate(keys)}
         image_index = torch.tensor([slot[pairs[r].key] for r in rows], device=self.device)  # (Bq,)
-        kvs = _stack_kvs([encoded[key].kvs for key in keys])
+        context = ImageContext.cat([encoded[key].context for key in keys])
         tokens = self.model.tokenize([pairs[r].question for r in rows])
         input_ids, attention_mask = tokens["input_ids"].to(self.device), tokens["attention_mask"].to(self.device)
         out = self.model(
@@ -309,7 +306,7 @@ class Predictor:
             input_ids,
             attention_mask,
             image_index=image_index,
-            image_kvs=kvs,
+            image_context=context,
             weights_from=writer.layers if writer else (),
         )
         scores, best = out.logits.float().softmax(-1).topk(top_k, dim=-1)  # each (Bq, top_k)
@@ -339,22 +336,6 @@ class Predictor:
         return result
 
 
-def _image_row(kv: ProjectedContext, i: int) -> ProjectedContext:
-    """Image ``i`` of a batch of keys/values, as a batch of one (views, no copy)."""
-    value = None if kv.value is None else kv.value[i : i + 1]  # the map reader's context has no values
-    return ProjectedContext(kv.key[i : i + 1], value)
-
-
-def _stack_kvs(per_image: list[list[ProjectedContext]]) -> list[ProjectedContext]:
-    """Per-image keys/values (batch 1 each) -> one :class:`ProjectedContext` per layer, ``(Bi, H, Li, hd)``."""
-    stacked = []
-    for layer in range(len(per_image[0])):
-        key = torch.cat([image[layer].key for image in per_image])
-        values = [image[layer].value for image in per_image]
-        stacked.append(ProjectedContext(key, None if values[0] is None else torch.cat(values)))
-    return stacked
-
-
 class _AttentionWriter:
     """Writes the attention maps of answered pairs: a PNG per layer, the drawn weights and a JSON sidecar."""
 
@@ -365,7 +346,7 @@ class _AttentionWriter:
         self.tokenizer = model.tokenizer
         self.grid = tuple(model.image_encoder.grid_size)
         self.num_prefix_tokens = model.image_encoder.num_prefix_tokens
-        self.head_ids = {layer: list(model.fusion.blocks[layer].cross_attn.head_ids) for layer in layers}
+        self.head_ids = {layer: model.fusion_head_ids[layer] for layer in layers}
 
     def write(
         self,

@@ -23,7 +23,7 @@ from vlfuse.analysis.data import (
     parse_with_data_overrides,
     read_config,
 )
-from vlfuse.analysis.head_scores import ablation_scores, evaluate, gradient_scores, weight_norm_scores
+from vlfuse.analysis.head_scores import evaluate, score_heads
 from vlfuse.analysis.pruning import (
     count_parameters,
     heads_per_layer,
@@ -40,6 +40,7 @@ from vlfuse.lit import VLFuseLitModule
 from vlfuse.model import VLFuseModel
 
 SCORES = ("weight_norm", "gradient", "ablation")
+"""The :data:`~vlfuse.analysis.head_scores.HEAD_SCORES` that ``--score`` offers (weight norms per layer)."""
 
 
 # ------------------------------------------------------------------------------ fine-tuning
@@ -82,17 +83,6 @@ def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, accel
 
 
 # ------------------------------------------------------------------------------------ report
-def score_heads(model: VLFuseModel, score: str, batches: list[dict]) -> torch.Tensor:
-    """The ``(L, H0)`` scores named ``score`` (one of :data:`SCORES`); weight norms are per layer."""
-    if score == "weight_norm":
-        return weight_norm_scores(model)
-    if score == "gradient":
-        return gradient_scores(model, batches)
-    if score == "ablation":
-        return ablation_scores(model, batches)
-    raise ValueError(f"unknown score {score!r}; expected one of {SCORES}")
-
-
 def format_report(rows: list[tuple[str, str, str, str]]) -> str:
     """A markdown table ``| | before | after | change |``."""
     lines = ["| | before | after | change |", "|:---|---:|---:|---:|"]
@@ -191,8 +181,7 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--finetune-epochs must be at least 0, got {args.finetune_epochs}")
     config = read_config(args.config)
     model = VLFuseModel.from_pretrained(args.model)
-    if model.num_fusion_layers == 0:
-        raise ValueError(f"{args.model} has no fusion heads to prune (readout 'map_program')")
+    model.require_fusion_heads("prune", name=str(args.model))
     datamodule = build_datamodule(args.config, overrides)
     # Fine-tuning trains on the datamodule's labels (scoring and evaluation use the model's answers).
     if args.finetune_epochs and datamodule.answers != model.answers:

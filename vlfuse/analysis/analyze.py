@@ -17,18 +17,13 @@ import torch
 
 from vlfuse.analysis.collect import collect_head_stats
 from vlfuse.analysis.data import add_data_arguments, build_datamodule, load_batches, parse_with_data_overrides
-from vlfuse.analysis.head_scores import (
-    ablation_scores,
-    evaluate,
-    gradient_scores,
-    original_head_count,
-    pruning_curve,
-    weight_norm_scores,
-)
+from vlfuse.analysis.head_scores import evaluate, original_head_count, pruning_curve, score_heads
 from vlfuse.analysis.report import write_report
 from vlfuse.model import VLFuseModel
 
 DEFAULT_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(10))
+REPORTED_SCORES = {"weight norm": "weight_norm", "weight norm s_i": "weight_norm_mean", "gradient": "gradient", "ablation": "ablation"}
+"""The scores in the report: ``{title: name in HEAD_SCORES}``."""
 SCORE_NOTES = {
     "weight norm": "||W_i^Q[l]||_F, the Frobenius norm of head i's rows of the query projection of its own "
     "layer l (head i of one layer and head i of another are unrelated heads).",
@@ -55,12 +50,7 @@ def analyze(
         The path of ``report.md``.
     """
     collection = collect_head_stats(model, batches)
-    scores = {
-        "weight norm": weight_norm_scores(model),
-        "weight norm s_i": weight_norm_scores(model, average_layers=True),
-        "gradient": gradient_scores(model, batches),
-        "ablation": ablation_scores(model, batches),
-    }
+    scores = {title: score_heads(model, name, batches) for title, name in REPORTED_SCORES.items()}
     curves = {name: pruning_curve(model, score, batches, fractions) for name, score in scores.items()}
     return write_report(
         out_dir,
@@ -101,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     datamodule = build_datamodule(args.config, overrides)
     model = VLFuseModel.from_pretrained(args.model, map_location=device)
-    if model.num_fusion_layers == 0:
-        raise ValueError(f"{args.model} has no fusion heads to analyse (readout 'map_program')")
+    model.require_fusion_heads("analyse", name=str(args.model))
     batches = load_batches(datamodule, model, args.split, args.max_batches)
     context = {"model": args.model, "config": args.config, "split": args.split, "device": device}
     path = analyze(model, batches, args.out, fractions=args.fractions, context=context)

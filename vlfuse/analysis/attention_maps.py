@@ -17,6 +17,8 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from vlfuse.readouts import masked_mean
+
 
 def select_query(weights: torch.Tensor, text_mask: torch.Tensor, token: int | None = None) -> torch.Tensor:
     """The attention of one query of one pair: ``(H, Lt, Li) -> (H, Li)``.
@@ -25,13 +27,12 @@ def select_query(weights: torch.Tensor, text_mask: torch.Tensor, token: int | No
         weights: cross-attention weights of one pair, every question token over every image token.
         text_mask: ``(Lt,)`` True for real (non-padding) question tokens.
         token: a token position, or ``None`` for the pooled question: the mean over real tokens,
-            the pooling :class:`vlfuse.model.VLFuseModel` applies before its classifier. A mean of
+            the pooling of the ``pool`` readout (:func:`vlfuse.readouts.masked_mean`). A mean of
             distributions is a distribution, so the rows still sum to 1 over the image tokens.
     """
     if token is not None:
         return weights[:, token]
-    real = text_mask.to(weights.dtype)  # (Lt,)
-    return (weights * real[None, :, None]).sum(1) / real.sum().clamp(min=1.0)  # (H, Li)
+    return masked_mean(weights, text_mask.expand(weights.shape[0], -1))  # (H, Li): each head's rows are its batch
 
 
 def split_prefix(

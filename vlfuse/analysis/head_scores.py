@@ -8,8 +8,9 @@ heads each when built), higher meaning more important, NaN for heads already pru
   the head's output;
 - :func:`ablation_scores`: the accuracy lost when that head alone is removed.
 
-Heads are switched off with :func:`head_gates`, which multiplies each head's output by a gate
-before the output projection: gate 0 gives the same logits as removing the head for real
+:func:`score_heads` picks one by name (:data:`HEAD_SCORES`). Heads are switched off through the
+model's ``head_mask`` (see :meth:`vlfuse.model.VLFuseModel.fuse`), which multiplies each head's
+output before the output projection: 0 gives the same logits as removing the head for real
 (``prune_heads``), so every head setting reuses one encoding of the images and questions.
 
 ``batches`` are :func:`vlfuse.data.collate_grouped` batches (``pixel_values``, ``questions``,
@@ -20,98 +21,51 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from vlfuse.analysis.pruning import heads_to_prune
 from vlfuse.data import IGNORE_INDEX
-from vlfuse.layers import CrossAttention, ProjectedContext
-from vlfuse.model import VLFuseModel
-
-
-def _cross_attentions(model: VLFuseModel) -> list[CrossAttention]:
-    return [block.cross_attn for block in model.fusion.blocks]
+from vlfuse.model import ImageContext, VLFuseModel
 
 
 def original_head_count(model: VLFuseModel) -> int:
     """H0: the heads each fusion layer was built with (before any pruning)."""
-    counts = {attn.dim // attn.head_dim for attn in _cross_attentions(model)}
-    if len(counts) != 1:
-        raise ValueError(f"fusion layers were built with different head counts {sorted(counts)}")
-    return counts.pop()
+    return model.config.fusion_heads
 
 
 def present_heads(model: VLFuseModel) -> torch.Tensor:
     """``(L, H0)`` bool, True for the heads still in the model."""
-    present = torch.zeros(len(model.fusion), original_head_count(model), dtype=torch.bool)
-    for layer, attn in enumerate(_cross_attentions(model)):
-        present[layer, attn.head_ids] = True
+    present = torch.zeros(model.num_fusion_layers, original_head_count(model), dtype=torch.bool)
+    for layer, ids in enumerate(model.fusion_head_ids):
+        present[layer, ids] = True
     return present
 
 
-# ----------------------------------------------------------------------------------- gates
-@contextmanager
-def head_gates(model: VLFuseModel, rows: int | None = None) -> Iterator[torch.Tensor]:
-    """Multiply each cross-attention head's output by a gate, while the context is open.
+def full_head_mask(model: VLFuseModel, rows: int | None = None) -> torch.Tensor:
+    """A ``head_mask`` that keeps every head: ``(L, H0)``, or ``(rows, L, H0)`` for one row per question.
 
-    A forward pre-hook on every fusion layer's ``cross_attn.out_proj`` scales the slice of its
-    input (head-major, ``(..., H * hd)`` over the heads present) that belongs to each head.
-
-    Args:
-        model: the model; its heads may already be pruned. Prune nothing while the context is
-            open: the hooks sit on the output projections present when it opened.
-        rows: ``None`` for one gate per head, ``(L, H0)``; or N for one gate row per question,
-            ``(N, L, H0)``, when every forward pass has N questions (per-example gradients).
-
-    Yields:
-        The gates, ones in the model's dtype and on its device, indexed by original head id;
-        entries of heads already pruned are 0 and unused. Change them in place, or call
-        ``requires_grad_()`` to differentiate through them.
+    Ones for the heads present, NaN (ignored by the model) for heads already pruned; in the model's
+    dtype and on its device. Set entries to 0 to switch heads off, or ``requires_grad_()`` it to
+    differentiate through the heads' outputs.
     """
     parameter = next(model.parameters())
-    present = present_heads(model)
-    shape = present.shape if rows is None else (rows, *present.shape)
-    gates = torch.zeros(shape, device=parameter.device, dtype=parameter.dtype)
-    gates[..., present.to(parameter.device)] = 1.0
-    handles = [
-        attn.out_proj.register_forward_pre_hook(_gate_hook(gates, layer, attn.head_ids, attn.head_dim))
-        for layer, attn in enumerate(_cross_attentions(model))
-    ]
-    try:
-        yield gates
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _gate_hook(gates: torch.Tensor, layer: int, head_ids: list[int], head_dim: int):
-    ids = torch.tensor(head_ids, device=gates.device)
-
-    def hook(module, args):
-        (x,) = args
-        gate = gates[..., layer, ids]  # (H,) or (N, H)
-        if gate.dim() == 2:
-            if gate.shape[0] != x.shape[0]:
-                raise ValueError(f"head_gates(rows={gate.shape[0]}) got a forward pass of {x.shape[0]} questions")
-            gate = gate.view(gate.shape[0], *[1] * (x.dim() - 2), gate.shape[1])  # (N, 1.., H)
-        heads = x.unflatten(-1, (len(head_ids), head_dim))  # (..., H, hd)
-        return ((heads * gate.unsqueeze(-1)).flatten(-2),)  # (..., H * hd)
-
-    return hook
+    present = present_heads(model).to(parameter.device)
+    mask = torch.ones(present.shape, device=parameter.device, dtype=parameter.dtype).masked_fill(~present, float("nan"))
+    return mask if rows is None else mask.expand(rows, *mask.shape).clone()
 
 
 # ------------------------------------------------------------------------- encoded batches
 @dataclass
 class _Encoded:
-    """A batch with its image keys/values and question states computed once, reused for every
-    head setting (gates act after both, on the cross-attention outputs)."""
+    """A batch with its images and questions encoded once, reused for every head setting (the
+    head mask acts after both, on the cross-attention outputs)."""
 
-    image_kvs: list[ProjectedContext]
-    question_states: torch.Tensor
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    image_context: ImageContext
+    text: torch.Tensor
+    text_mask: torch.Tensor
     image_index: torch.Tensor
     labels: torch.Tensor
 
@@ -127,8 +81,7 @@ def _encode(model: VLFuseModel, batches: Sequence[dict]) -> list[_Encoded]:
                 _Encoded(
                     model.encode_images(batch["pixel_values"].to(device, parameter.dtype)),
                     model.encode_questions(tokens["input_ids"], tokens["attention_mask"]),
-                    tokens["input_ids"],
-                    tokens["attention_mask"],
+                    tokens["attention_mask"].bool(),
                     batch["image_index"].to(device),
                     batch["labels"].to(device),
                 )
@@ -136,25 +89,18 @@ def _encode(model: VLFuseModel, batches: Sequence[dict]) -> list[_Encoded]:
     return encoded
 
 
-def _logits(model: VLFuseModel, batch: _Encoded) -> torch.Tensor:
-    """``model``'s own forward pass, given the batch's image keys/values and question states."""
-    # The forward pass takes image keys/values but always encodes the questions (a quarter of an
-    # evaluation's time on easy-VQA): its encode_questions is shadowed by the stored states.
-    model.encode_questions = lambda input_ids, attention_mask: batch.question_states
-    try:
-        return model(
-            None, batch.input_ids, batch.attention_mask, image_index=batch.image_index, image_kvs=batch.image_kvs
-        ).logits
-    finally:
-        del model.encode_questions
+def _logits(model: VLFuseModel, batch: _Encoded, head_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's last two stages, :meth:`~VLFuseModel.fuse` and :meth:`~VLFuseModel.read_out`, on an encoded batch."""
+    fused = model.fuse(batch.text, batch.text_mask, batch.image_context, batch.image_index, head_mask=head_mask)
+    return model.read_out(fused.tokens, batch.text_mask, batch.image_context, batch.image_index)
 
 
-def _accuracy(model: VLFuseModel, encoded: Sequence[_Encoded]) -> float:
+def _accuracy(model: VLFuseModel, encoded: Sequence[_Encoded], head_mask: torch.Tensor | None = None) -> float:
     correct = total = 0
     with torch.no_grad():
         for batch in encoded:
             valid = batch.labels != IGNORE_INDEX
-            correct += int((_logits(model, batch).argmax(-1)[valid] == batch.labels[valid]).sum())
+            correct += int((_logits(model, batch, head_mask).argmax(-1)[valid] == batch.labels[valid]).sum())
             total += int(valid.sum())
     if total == 0:
         raise ValueError("the batches hold no question with an answer in the model's vocabulary")
@@ -193,7 +139,7 @@ def weight_norm_scores(model: VLFuseModel, average_layers: bool = False) -> torc
     """
     scores = torch.full(present_heads(model).shape, float("nan"))
     with torch.no_grad():
-        for layer, attn in enumerate(_cross_attentions(model)):
+        for layer, attn in enumerate(block.cross_attn for block in model.fusion.blocks):
             rows = attn.q_proj.weight.view(attn.num_heads, attn.head_dim, attn.dim)  # (H, hd, dim)
             scores[layer, attn.head_ids] = rows.pow(2).sum((1, 2)).sqrt().float().cpu()
     if average_layers:
@@ -220,10 +166,10 @@ def gradient_scores(model: VLFuseModel, batches: Sequence[dict], normalize: bool
     total, count = torch.zeros(present.shape, dtype=torch.float64), 0
     with _eval_mode(model):
         for batch in _encode(model, batches):
-            with head_gates(model, rows=len(batch.labels)) as gates:
-                gates.requires_grad_(True)
-                loss = F.cross_entropy(_logits(model, batch), batch.labels, ignore_index=IGNORE_INDEX, reduction="sum")
-                (grad,) = torch.autograd.grad(loss, gates)  # (Bq, L, H0): row x holds dL(x)/dg
+            gates = full_head_mask(model, rows=len(batch.labels)).requires_grad_(True)
+            logits = _logits(model, batch, head_mask=gates)
+            loss = F.cross_entropy(logits, batch.labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            (grad,) = torch.autograd.grad(loss, gates)  # (Bq, L, H0): row x holds dL(x)/dg, 0 for pruned heads
             total += grad.abs().sum(0).double().cpu()
             count += int((batch.labels != IGNORE_INDEX).sum())
     if count == 0:
@@ -244,12 +190,11 @@ def ablation_scores(model: VLFuseModel, batches: Sequence[dict]) -> torch.Tensor
     scores = torch.full(present.shape, float("nan"))
     with _eval_mode(model):
         encoded = _encode(model, batches)
-        with head_gates(model) as gates:
-            base = _accuracy(model, encoded)
-            for layer, head in present.nonzero().tolist():
-                gates[layer, head] = 0.0
-                scores[layer, head] = base - _accuracy(model, encoded)
-                gates[layer, head] = 1.0
+        base = _accuracy(model, encoded)
+        for layer, head in present.nonzero().tolist():
+            gates = full_head_mask(model)
+            gates[layer, head] = 0.0
+            scores[layer, head] = base - _accuracy(model, encoded, gates)
     return scores
 
 
@@ -261,16 +206,30 @@ def pruning_curve(
     The heads of each fraction are chosen by :func:`vlfuse.analysis.pruning.heads_to_prune`:
     ranked globally over all layers (a layer that matters more keeps more heads), each layer
     keeping at least one head; fractions count the heads still present. Heads are switched off
-    by gates (equal to pruning them), so the images and questions are encoded once.
+    by the head mask (equal to pruning them), so the images and questions are encoded once.
     """
     results = []
     with _eval_mode(model):
         encoded = _encode(model, batches)
-        with head_gates(model) as gates:
-            ones = gates.clone()
-            for fraction in fractions:
-                gates.copy_(ones)
-                for layer, heads in heads_to_prune(scores, fraction=fraction).items():
-                    gates[layer, heads] = 0.0
-                results.append((fraction, _accuracy(model, encoded)))
+        for fraction in fractions:
+            gates = full_head_mask(model)
+            for layer, heads in heads_to_prune(scores, fraction=fraction).items():
+                gates[layer, heads] = 0.0
+            results.append((fraction, _accuracy(model, encoded, gates)))
     return results
+
+
+HEAD_SCORES: dict[str, Callable[[VLFuseModel, Sequence[dict]], torch.Tensor]] = {
+    "weight_norm": lambda model, batches: weight_norm_scores(model),
+    "weight_norm_mean": lambda model, batches: weight_norm_scores(model, average_layers=True),
+    "gradient": gradient_scores,
+    "ablation": ablation_scores,
+}
+"""The head scores by name: ``(model, batches) -> (L, H0)`` (weight norms ignore the batches)."""
+
+
+def score_heads(model: VLFuseModel, name: str, batches: Sequence[dict]) -> torch.Tensor:
+    """The ``(L, H0)`` scores named ``name`` (a key of :data:`HEAD_SCORES`)."""
+    if name not in HEAD_SCORES:
+        raise ValueError(f"unknown head score {name!r}; expected one of {sorted(HEAD_SCORES)}")
+    return HEAD_SCORES[name](model, batches)

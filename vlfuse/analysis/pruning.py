@@ -84,7 +84,7 @@ def count_parameters(module: nn.Module) -> int:
 
 def heads_per_layer(model: VLFuseModel) -> list[int]:
     """Cross-attention heads left in each fusion layer."""
-    return [block.cross_attn.num_heads for block in model.fusion.blocks]
+    return [len(ids) for ids in model.fusion_head_ids]
 
 
 @dataclass
@@ -184,13 +184,12 @@ def _forward_runs(model: VLFuseModel, batch: dict):
     image_index = batch["image_index"].to(parameter.device)
     text_mask = tokens["attention_mask"].bool()
     with torch.inference_mode():
-        image_tokens = model.image_proj(model.image_encoder(pixels))  # (Bi, Li, fusion_dim)
-        text = model.text_proj(model.encode_questions(tokens["input_ids"], tokens["attention_mask"]))  # (Bq, Lt, D)
+        image_tokens = model.embed_images(pixels)  # (Bi, Li, fusion_dim)
+        text = model.encode_questions(tokens["input_ids"], tokens["attention_mask"])  # (Bq, Lt, fusion_dim)
 
     @torch.inference_mode()
     def fusion() -> None:
-        kvs = model.fusion.project_context(image_tokens)
-        model.fusion(text, text_mask=text_mask, kvs=kvs, image_index=image_index)
+        model.fuse(text, text_mask, model.image_context(image_tokens), image_index)
 
     @torch.inference_mode()
     def whole() -> None:
