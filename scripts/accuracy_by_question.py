@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 
+from _common import load_model
+
 from vlfuse.analysis.grouped_accuracy import accuracy_by_group, accuracy_table
 from vlfuse.datamodules import EasyVQADataModule
-from vlfuse.model import VLFuseModel
 
 SHAPE_WORDS = ("circle", "rectangle", "triangle")
 
@@ -34,10 +35,11 @@ def main() -> None:
     parser.add_argument("--limit-images", type=int, default=None, help="only the first N test images")
     args = parser.parse_args()
 
-    model = VLFuseModel.from_pretrained(args.model).eval()
+    model = load_model(args.model)
     data = EasyVQADataModule(image_size=model.config.image.image_size, batch_size=64, limit_images=args.limit_images)
     correct, total = accuracy_by_group(model, data.test_dataloader(), lambda row, question: question_kind(question))
-    print(accuracy_table(correct, total, group="question kind", accuracy="accuracy", align=":---", overall_digits=2))
+    print(accuracy_table(correct, total, group="question kind", accuracy="accuracy", digits=2))
+
 
 if __name__ == "__main__":
     main()

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 
+from _common import load_model
+
 from vlfuse.analysis.grouped_accuracy import accuracy_by_group, accuracy_table
 from vlfuse.data.shapes import query_depth
 from vlfuse.datamodules import ShapesDataModule
-from vlfuse.model import VLFuseModel
 
 
 def main() -> None:
@@ -22,14 +23,12 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None, help="the released SHAPES files (default: see ShapesDataModule)")
     args = parser.parse_args()
 
-    model = VLFuseModel.from_pretrained(args.model).eval()
+    model = load_model(args.model)
     data = ShapesDataModule(data_dir=args.data_dir, image_size=model.config.image.image_size, batch_size=128)
     depths = [query_depth(q) for q in data.queries("val")]
     correct, total = accuracy_by_group(model, data.val_dataloader(), lambda row, question: depths[row])
-    table = accuracy_table(
-        correct, total, group="question depth (relations)", accuracy="val accuracy", align="---:", overall_digits=1
-    )
-    print(table)
+    print(accuracy_table(correct, total, group="question depth (relations)", accuracy="val accuracy"))
+
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _common import load_model
 
+from vlfuse.analysis.tables import markdown_table
 from vlfuse.data.shapes import distinct_queries
 from vlfuse.datamodules import ShapesDataModule
 from vlfuse.layers.map_program import OPERATIONS
@@ -24,12 +26,14 @@ def word_table(model: VLFuseModel, words: list[str]) -> str:
     ids = torch.tensor([model.tokenizer.convert_tokens_to_ids(words)])  # (1, W)
     weights, offsets = model.reader.operations(model.reader_words(ids))
     steps = model.reader.offset_steps()
-    lines = ["| word | " + " | ".join(OPERATIONS) + " | moves the set by (weight) |", "|---|---:|---:|---:|---|"]
+    rows = []
     for word, mix, offset in zip(words, weights[0].tolist(), offsets[0]):
         best = int(offset.argmax())
         move = f"{steps[best]} ({offset[best]:.2f})" if mix[2] > 0.5 else ""
-        lines.append(f"| {word} | " + " | ".join(f"{w:.2f}" for w in mix) + f" | {move} |")
-    return "\n".join(lines)
+        rows.append([word, *mix, move])
+    header = ["word", *OPERATIONS, "moves the set by (weight)"]
+    formats = [None, *["{:.2f}"] * len(OPERATIONS), None]
+    return markdown_table(header, rows, formats=formats, align="l" + "r" * len(OPERATIONS) + "l")
 
 
 def grid(cells: torch.Tensor, rows: int, cols: int) -> list[str]:
@@ -60,7 +64,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=2, help="val questions to trace (one image each)")
     args = parser.parse_args()
 
-    model = VLFuseModel.from_pretrained(args.model).eval()
+    model = load_model(args.model)
     if model.reader is None:
         parser.error(f"{args.model} has no map-program reader (readout {model.config.readout!r})")
     data = ShapesDataModule(data_dir=args.data_dir, image_size=model.config.image.image_size)
