@@ -21,6 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "easy_vqa.yaml"
 
 
+def add_model_argument(parser: argparse.ArgumentParser, *, required: bool = True, help: str | None = None) -> None:
+    """``--model DIR``: a saved model directory; read it with :func:`load_model` or :func:`saved_or_untrained_model`."""
+    parser.add_argument("--model", type=Path, required=required, metavar="DIR",
+                        help=help or "a directory written by save_pretrained")
+
+
 def load_model(model_dir: str | Path) -> VLFuseModel:
     """The model saved in ``model_dir`` by ``save_pretrained``, in eval mode.
 
@@ -71,6 +77,14 @@ def saved_or_untrained_model(
     if model_dir is not None:
         return load_model(model_dir)
     return untrained_model(config, datamodule or load_datamodule(config)).eval()
+
+
+def add_timing_arguments(parser: argparse.ArgumentParser, *, repeats: int, warmup: int) -> None:
+    """``--repeats N`` timed and ``--warmup N`` untimed repetitions (see :mod:`vlfuse.analysis.timing`)."""
+    parser.add_argument("--repeats", type=int, default=repeats, metavar="N",
+                        help=f"timed repetitions of every case, side by side (default {repeats})")
+    parser.add_argument("--warmup", type=int, default=warmup, metavar="N",
+                        help=f"untimed repetitions first (default {warmup})")
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import load_model
+from _common import add_model_argument, load_model
 
 from vlfuse.analysis.grouped_accuracy import accuracy_by_group, accuracy_table
 from vlfuse.datamodules import EasyVQADataModule
@@ -31,7 +31,7 @@ def question_kind(question: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a directory written by save_pretrained")
+    add_model_argument(parser)
     parser.add_argument("--limit-images", type=int, default=None, help="only the first N test images")
     args = parser.parse_args()
 

@@ -277,12 +277,11 @@ def summarise(cases: list[Case], contenders: dict[str, nn.Module], args: argpars
 
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a Markdown table, ready to paste into a README."""
-
     columns = {"lk": "Lk", "label": "contender", "fwd_ms": "fwd ms", "fwd_ratio": "fwd t/t(a)",
                "fwd_bwd_ms": "fwd+bwd ms", "fwd_bwd_ratio": "fwd+bwd t/t(a)",
                "fwd_flops_fraction": "fwd FLOP/s / bare", "fwd_bwd_flops_fraction": "fwd+bwd FLOP/s / bare"}
-    return tables.markdown_table(list(columns.values()), [[r[key] for key in columns] for r in rows],
-                                 formats=[None, None, "{:.1f}", "{:.2f}", "{:.1f}", "{:.2f}", "{:.0%}", "{:.0%}"])
+    formats = [None, None, "{:.1f}", "{:.2f}", "{:.1f}", "{:.2f}", "{:.0%}", "{:.0%}"]
+    return tables.markdown_table(columns, rows, formats=formats)
 
 
 def check_targets(rows: list[dict], lks: list[int]) -> list[Target]:

@@ -201,8 +201,7 @@ def summarise(cases: list[Case], memory: dict[tuple[int, str], int]) -> list[dic
 def markdown_table(rows: list[dict]) -> str:
     columns = {"tokens": "tokens", "case": "contender", "pairs_kept": "pairs kept", "tiles_kept": "tiles computed",
                "ms": "ms (median)", "vs_dense": "time / dense", "peak_mib": "peak extra MiB"}
-    return tables.markdown_table(list(columns.values()), [[r[key] for key in columns] for r in rows],
-                                 formats=[None, None, "{:.1%}", "{:.1%}", "{:.1f}", "{:.2f}", "{:.1f}"])
+    return tables.markdown_table(columns, rows, formats=[None, None, "{:.1%}", "{:.1%}", "{:.1f}", "{:.2f}", "{:.1f}"])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

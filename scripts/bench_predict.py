@@ -26,7 +26,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from _common import DEFAULT_CONFIG, add_threads_argument, saved_or_untrained_model, set_threads
+from _common import (
+    DEFAULT_CONFIG,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    saved_or_untrained_model,
+    set_threads,
+)
 
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.analysis.timing import Timings, time_interleaved
@@ -36,7 +43,7 @@ from vlfuse.predict import Predictor, PredictWarning
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("Example:")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="saved model directory (default: untrained default architecture)")
+    add_model_argument(parser, required=False, help="saved model directory (default: the config's, untrained)")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help="config whose model.architecture to build when --model is not given")
     parser.add_argument("--images", type=int, default=16, help="distinct images in the workload (default 16)")
@@ -44,8 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 64], help="Predictor batch sizes (default 1 64)"
     )
-    parser.add_argument("--repeats", type=int, default=10, help="timed repetitions of every case (default 10)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
+    add_timing_arguments(parser, repeats=10, warmup=1)
     add_threads_argument(parser)
     return parser.parse_args(argv)
 

@@ -22,7 +22,15 @@ import argparse
 from pathlib import Path
 
 import torch
-from _common import DEFAULT_CONFIG, add_threads_argument, load_datamodule, saved_or_untrained_model, set_threads
+from _common import (
+    DEFAULT_CONFIG,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    load_datamodule,
+    saved_or_untrained_model,
+    set_threads,
+)
 
 from vlfuse.analysis import pruning
 from vlfuse.analysis.data import load_batches
@@ -37,12 +45,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help="config whose data (and, without --model, architecture) to use")
-    parser.add_argument("--model", type=Path, help="saved model directory (default: the config's, untrained)")
+    add_model_argument(parser, required=False, help="saved model directory (default: the config's, untrained)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75],
                         help="shares of the heads to prune (default 0.25 0.5 0.75)")
     parser.add_argument("--questions", type=int, default=64, help="questions per forward pass (default 64)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed repetitions (default 30)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions first (default 3)")
+    add_timing_arguments(parser, repeats=30, warmup=3)
     add_threads_argument(parser)
     return parser.parse_args(argv)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import load_model
+from _common import add_model_argument, load_model
 
 from vlfuse.analysis.grouped_accuracy import accuracy_by_group, accuracy_table
 from vlfuse.data.shapes import query_depth
@@ -19,7 +19,7 @@ from vlfuse.datamodules import ShapesDataModule
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a directory written by save_pretrained")
+    add_model_argument(parser)
     parser.add_argument("--data-dir", default=None, help="the released SHAPES files (default: see ShapesDataModule)")
     args = parser.parse_args()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import load_model
+from _common import add_model_argument, load_model
 
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.data.shapes import distinct_queries
@@ -59,7 +59,7 @@ def trace(model: VLFuseModel, image: torch.Tensor, question: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a directory written by save_pretrained (readout map_program)")
+    add_model_argument(parser, help="a directory written by save_pretrained (readout map_program)")
     parser.add_argument("--data-dir", default=None, help="the released SHAPES files (default: see ShapesDataModule)")
     parser.add_argument("--examples", type=int, default=2, help="val questions to trace (one image each)")
     args = parser.parse_args()

@@ -39,6 +39,12 @@ def test_pipes_in_cells_and_titles_are_escaped_and_booleans_are_text():
     assert table.splitlines() == ["| a\\|b | flag |", "|:---|:---|", "| x \\| y | True |"]
 
 
+def test_rows_as_mappings_take_the_cells_of_the_header_keys_in_header_order():
+    rows = [{"ms": 1.25, "name": "dense", "unused": 0}, {"name": "local", "ms": None}]
+    table = markdown_table({"name": "contender", "ms": "ms (median)"}, rows, formats=[None, "{:.1f}"])
+    assert table.splitlines() == ["| contender | ms (median) |", "|:---|---:|", "| dense | 1.2 |", "| local | - |"]
+
+
 def test_a_table_without_rows_is_its_header():
     assert markdown_table(["", "before"], []) == "|  | before |\n|---:|---:|"
 

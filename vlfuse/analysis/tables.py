@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from numbers import Number
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 ALIGNMENTS = {"l": ":---", "r": "---:", "c": ":---:"}
 MISSING = "-"
@@ -13,8 +13,8 @@ UNDEFINED = "n/a"
 
 
 def markdown_table(
-    header: Sequence[str],
-    rows: Iterable[Sequence[object]],
+    header: Sequence[str] | Mapping[str, str],
+    rows: Iterable[Sequence[object]] | Iterable[Mapping[str, object]],
     *,
     formats: str | Sequence[str | None] | None = None,
     align: str | None = None,
@@ -22,7 +22,8 @@ def markdown_table(
     """A GitHub-flavoured markdown table, one line per row, without a trailing newline.
 
     Args:
-        header: the column titles.
+        header: the column titles; or ``{key: title}`` when the rows are mappings, whose values at
+            those keys are the cells (other keys are left out).
         rows: one sequence of cells per row, as long as ``header``. A number is written with its
             column's format; ``None`` as ``-``; a NaN as ``n/a``; anything else with ``str``, a
             ``|`` in it escaped.
@@ -35,6 +36,9 @@ def markdown_table(
         ValueError: a row, ``formats`` or ``align`` does not have one entry per column, or ``align``
             has a letter other than ``l``, ``r``, ``c``.
     """
+    if isinstance(header, Mapping):
+        rows = [[row[key] for key in header] for row in rows]
+        header = list(header.values())
     width = len(header)
     rows = [list(row) for row in rows]
     for number, row in enumerate(rows):
