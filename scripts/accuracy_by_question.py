@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 
+from _common import add_model_argument, load_model
+
 from vlfuse.analysis.grouped_accuracy import accuracy_by_group, accuracy_table
 from vlfuse.datamodules import EasyVQADataModule
-from vlfuse.model import VLFuseModel
 
 SHAPE_WORDS = ("circle", "rectangle", "triangle")
 
@@ -30,14 +31,15 @@ def question_kind(question: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a directory written by save_pretrained")
+    add_model_argument(parser)
     parser.add_argument("--limit-images", type=int, default=None, help="only the first N test images")
     args = parser.parse_args()
 
-    model = VLFuseModel.from_pretrained(args.model).eval()
+    model = load_model(args.model)
     data = EasyVQADataModule(image_size=model.config.image.image_size, batch_size=64, limit_images=args.limit_images)
     correct, total = accuracy_by_group(model, data.test_dataloader(), lambda row, question: question_kind(question))
-    print(accuracy_table(correct, total, group="question kind", accuracy="accuracy", align=":---", overall_digits=2))
+    print(accuracy_table(correct, total, group="question kind", accuracy="accuracy", digits=2))
+
 
 if __name__ == "__main__":
     main()

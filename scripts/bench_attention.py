@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from vlfuse import CrossAttention
+from vlfuse.analysis import tables, timing
 
 FWD, FWD_BWD = "fwd", "fwd+bwd"
 LABELS = {
@@ -213,15 +214,9 @@ def build_cases(contenders: dict[str, nn.Module], batch: int, lq: int, dim: int,
 
 def measure(cases: list[Case], repeats: int, warmup: int) -> None:
     """Round-robin timing: each repetition runs every case once, starting one case further along."""
-    for _ in range(warmup):
-        for case in cases:
-            case.run()
-    for rep in range(repeats):
-        start = rep % len(cases)
-        for case in cases[start:] + cases[:start]:
-            t0 = time.perf_counter()
-            case.run()
-            case.samples.append(time.perf_counter() - t0)
+    samples = timing.time_interleaved({i: case.run for i, case in enumerate(cases)}, repeats, warmup).samples
+    for i, case in enumerate(cases):
+        case.samples += samples[i]
 
 
 def block_flops(batch: int, lq: int, lk: int, dim: int, heads: int, head_dim: int) -> int:
@@ -236,7 +231,7 @@ def block_flops(batch: int, lq: int, lk: int, dim: int, heads: int, head_dim: in
 
 def paired_ratio(case: Case, reference: Case) -> float:
     """Median over repetitions of ``case``'s time / ``reference``'s time in the same repetition."""
-    return statistics.median(x / r for x, r in zip(case.samples, reference.samples))
+    return timing.paired_ratio(case.samples, reference.samples)
 
 
 def noise(cases: list[Case]) -> float:
@@ -281,24 +276,13 @@ def summarise(cases: list[Case], contenders: dict[str, nn.Module], args: argpars
     return rows
 
 
-def cell(value: float | None, fmt: str) -> str:
-    """A table cell: ``value`` formatted, or ``-`` when there is none."""
-    return "-" if value is None else format(value, fmt)
-
-
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a Markdown table, ready to paste into a README."""
-    lines = [
-        "| Lk | contender | fwd ms | fwd t/t(a) | fwd+bwd ms | fwd+bwd t/t(a) | fwd FLOP/s / bare | fwd+bwd FLOP/s / bare |",
-        "|---:|:---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['lk']} | {r['label']} | {cell(r['fwd_ms'], '.1f')} | {cell(r['fwd_ratio'], '.2f')} "
-            f"| {cell(r['fwd_bwd_ms'], '.1f')} | {cell(r['fwd_bwd_ratio'], '.2f')} "
-            f"| {cell(r['fwd_flops_fraction'], '.0%')} | {cell(r['fwd_bwd_flops_fraction'], '.0%')} |"
-        )
-    return "\n".join(lines)
+    columns = {"lk": "Lk", "label": "contender", "fwd_ms": "fwd ms", "fwd_ratio": "fwd t/t(a)",
+               "fwd_bwd_ms": "fwd+bwd ms", "fwd_bwd_ratio": "fwd+bwd t/t(a)",
+               "fwd_flops_fraction": "fwd FLOP/s / bare", "fwd_bwd_flops_fraction": "fwd+bwd FLOP/s / bare"}
+    formats = [None, None, "{:.1f}", "{:.2f}", "{:.1f}", "{:.2f}", "{:.0%}", "{:.0%}"]
+    return tables.markdown_table(columns, rows, formats=formats)
 
 
 def comparison_table(rows: list[dict], baseline: dict) -> str:
@@ -308,19 +292,15 @@ def comparison_table(rows: list[dict], baseline: dict) -> str:
     t/t(a) that drops from before to now means (a) got slower relative to the others.
     """
     before = {(r["contender"], r["lk"]): r for r in baseline["rows"]}
-    lines = [
-        "| Lk | contender | fwd ms before | fwd ms now | fwd t/t(a) before | fwd t/t(a) now "
-        "| fwd+bwd t/t(a) before | fwd+bwd t/t(a) now |",
-        "|---:|:---|---:|---:|---:|---:|---:|---:|",
-    ]
+    header = ["Lk", "contender", "fwd ms before", "fwd ms now", "fwd t/t(a) before", "fwd t/t(a) now",
+              "fwd+bwd t/t(a) before", "fwd+bwd t/t(a) now"]
+    table = []
     for r in rows:
         b = before.get((r["contender"], r["lk"]), {})
-        lines.append(
-            f"| {r['lk']} | {r['label']} | {cell(b.get('fwd_ms'), '.1f')} | {cell(r['fwd_ms'], '.1f')} "
-            f"| {cell(b.get('fwd_ratio'), '.2f')} | {cell(r['fwd_ratio'], '.2f')} "
-            f"| {cell(b.get('fwd_bwd_ratio'), '.2f')} | {cell(r['fwd_bwd_ratio'], '.2f')} |"
-        )
-    return "\n".join(lines)
+        table.append([r["lk"], r["label"], b.get("fwd_ms"), r["fwd_ms"], b.get("fwd_ratio"), r["fwd_ratio"],
+                      b.get("fwd_bwd_ratio"), r["fwd_bwd_ratio"]])
+    formats = [None, None, "{:.1f}", "{:.1f}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}"]
+    return tables.markdown_table(header, table, formats=formats)
 
 
 def check_targets(rows: list[dict], lks: list[int]) -> list[Target]:

@@ -51,6 +51,7 @@ from typing import Callable
 
 import torch
 
+from vlfuse.analysis import tables, timing
 from vlfuse.layers import CrossAttention, LocalSelfAttention
 from vlfuse.layers.local_attention import (
     LocalLayout,
@@ -132,12 +133,9 @@ def warm_up_and_check(cases: list[Case]) -> None:
 
 
 def measure_times(cases: list[Case], repeats: int) -> None:
-    for rep in range(repeats):
-        shift = rep % len(cases)
-        for case in cases[shift:] + cases[:shift]:
-            start = time.perf_counter()
-            case.run()
-            case.ms.append((time.perf_counter() - start) * 1e3)
+    samples = timing.time_interleaved({i: case.run for i, case in enumerate(cases)}, repeats).samples
+    for i, case in enumerate(cases):
+        case.ms += [seconds * 1e3 for seconds in samples[i]]
 
 
 def _status_bytes(key: str) -> int:
@@ -180,7 +178,7 @@ def measure_memory(case: Case, heads: int, threads: int | None) -> int:
 
 def paired_ratio(case: Case, reference: Case) -> float:
     """Median over repetitions of time(case) / time(reference)."""
-    return statistics.median(a / b for a, b in zip(case.ms, reference.ms))
+    return timing.paired_ratio(case.ms, reference.ms)
 
 
 def summarise(cases: list[Case], memory: dict[tuple[int, str], int]) -> list[dict]:
@@ -202,19 +200,9 @@ def summarise(cases: list[Case], memory: dict[tuple[int, str], int]) -> list[dic
 
 
 def markdown_table(rows: list[dict]) -> str:
-    def cell(value: float | None, fmt: str) -> str:
-        return "-" if value is None else format(value, fmt)
-
-    lines = [
-        "| tokens | contender | pairs kept | tiles computed | ms (median) | time / dense | peak extra MiB |",
-        "|---:|:---|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['tokens']} | {r['case']} | {r['pairs_kept']:.1%} | {cell(r['tiles_kept'], '.1%')} | "
-            f"{r['ms']:.1f} | {r['vs_dense']:.2f} | {cell(r['peak_mib'], '.1f')} |"
-        )
-    return "\n".join(lines)
+    columns = {"tokens": "tokens", "case": "contender", "pairs_kept": "pairs kept", "tiles_kept": "tiles computed",
+               "ms": "ms (median)", "vs_dense": "time / dense", "peak_mib": "peak extra MiB"}
+    return tables.markdown_table(columns, rows, formats=[None, None, "{:.1%}", "{:.1%}", "{:.1f}", "{:.2f}", "{:.1f}"])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -21,48 +21,39 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-import yaml
+from _common import (
+    DEFAULT_CONFIG,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    saved_or_untrained_model,
+    set_threads,
+)
 
-from vlfuse.data.easy_vqa import easy_vqa_answers
-from vlfuse.model import VLFuseConfig, VLFuseModel
+from vlfuse.analysis.tables import markdown_table
+from vlfuse.analysis.timing import Timings, time_interleaved
 from vlfuse.predict import Predictor, PredictWarning
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("Example:")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="saved model directory (default: untrained default architecture)")
-    parser.add_argument("--config", type=Path, default=REPO / "configs" / "easy_vqa.yaml",
+    add_model_argument(parser, required=False, help="saved model directory (default: the config's, untrained)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help="config whose model.architecture to build when --model is not given")
     parser.add_argument("--images", type=int, default=16, help="distinct images in the workload (default 16)")
     parser.add_argument("--questions-per-image", type=int, default=10, help="questions per image (default 10)")
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 64], help="Predictor batch sizes (default 1 64)"
     )
-    parser.add_argument("--repeats", type=int, default=10, help="timed repetitions of every case (default 10)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    add_timing_arguments(parser, repeats=10, warmup=1)
+    add_threads_argument(parser)
     return parser.parse_args(argv)
-
-
-def load_model(model_dir: Path | None, config_path: Path) -> VLFuseModel:
-    """A saved model, or the config's architecture untrained with easy-VQA answers and questions."""
-    if model_dir is not None:
-        return VLFuseModel.from_pretrained(model_dir)
-    import easy_vqa
-
-    architecture = VLFuseConfig.from_dict(yaml.safe_load(config_path.read_text())["model"]["architecture"])
-    torch.manual_seed(0)
-    return VLFuseModel.from_config(architecture, easy_vqa_answers(), easy_vqa.get_train_questions()[0])
 
 
 def workload(n_images: int, per_image: int) -> tuple[list[str], list[str]]:
@@ -81,51 +72,40 @@ def workload(n_images: int, per_image: int) -> tuple[list[str], list[str]]:
     return [p for p, _ in pairs], [q for _, q in pairs]
 
 
-def run_round_robin(predictors: dict, paths, questions, repeats: int, warmup: int) -> tuple[dict, dict]:
-    """Seconds per ``predict`` call for each case, round-robin; and each case's answers."""
-    cases = list(predictors)
-    samples: dict = {case: [] for case in cases}
+def time_predictors(predictors: dict, paths, questions, repeats: int, warmup: int) -> tuple[Timings, dict]:
+    """Seconds per ``predict`` call for each case, side by side; and each case's answers."""
     answers: dict = {}
-    for repetition in range(warmup + repeats):
-        for offset in range(len(cases)):
-            case = cases[(repetition + offset) % len(cases)]
-            start = time.perf_counter()
-            results = predictors[case].predict(paths, questions)
-            elapsed = time.perf_counter() - start
-            answers[case] = [r["answer"] for r in results]
-            if repetition >= warmup:
-                samples[case].append(elapsed)
-    return samples, answers
+
+    def ask(case):
+        def run() -> None:
+            answers[case] = [r["answer"] for r in predictors[case].predict(paths, questions)]
+
+        return run
+
+    return time_interleaved({case: ask(case) for case in predictors}, repeats, warmup), answers
 
 
-def median_ratio(numerator: list[float], denominator: list[float]) -> float:
-    return statistics.median(n / d for n, d in zip(numerator, denominator))
-
-
-def markdown_table(samples: dict, batch_sizes: list[int], n_pairs: int) -> str:
+def results_table(timings: Timings, batch_sizes: list[int], n_pairs: int) -> str:
     """Rows per (batch size, cache); speed-up of the cache at that batch size and versus batch 1 without cache."""
-    baseline = samples[(batch_sizes[0], False)]
-    lines = [
-        f"| batch size | image cache | pairs/s | ms/pair | cache speed-up | vs batch {batch_sizes[0]}, no cache |",
-        "|---:|:---|---:|---:|---:|---:|",
-    ]
+    baseline = (batch_sizes[0], False)
+    rows = []
     for batch_size in batch_sizes:
         for cache in (True, False):
-            times = samples[(batch_size, cache)]
-            seconds = statistics.median(times)
-            speedup = f"{median_ratio(samples[(batch_size, False)], times):.2f}x" if cache else "1.00x"
-            speed = f"{n_pairs / seconds:.1f} | {1000 * seconds / n_pairs:.2f}"
-            versus = f"{median_ratio(baseline, times):.2f}x"
-            lines.append(f"| {batch_size} | {'on' if cache else 'off'} | {speed} | {speedup} | {versus} |")
-    return "\n".join(lines)
+            seconds = timings.median((batch_size, cache))
+            rows.append([
+                batch_size, "on" if cache else "off", n_pairs / seconds, 1000 * seconds / n_pairs,
+                timings.ratio((batch_size, False), (batch_size, cache)), timings.ratio(baseline, (batch_size, cache)),
+            ])
+    header = ["batch size", "image cache", "pairs/s", "ms/pair", "cache speed-up",
+              f"vs batch {batch_sizes[0]}, no cache"]
+    return markdown_table(header, rows, formats=[None, None, "{:.1f}", "{:.2f}", "{:.2f}x", "{:.2f}x"])
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the table; return ``{(batch size, cache): [seconds per call]}``."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_model(args.model, args.config)
+    set_threads(args.threads)
+    model = saved_or_untrained_model(args.model, args.config)
     paths, questions = workload(args.images, args.questions_per_image)
     predictors = {
         (batch_size, cache): Predictor(model, batch_size=batch_size, cache_images=cache)
@@ -134,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PredictWarning)  # a model trained elsewhere may not know easy-VQA's words
-        samples, answers = run_round_robin(predictors, paths, questions, args.repeats, args.warmup)
+        timings, answers = time_predictors(predictors, paths, questions, args.repeats, args.warmup)
     same = len({tuple(a) for a in answers.values()}) == 1
     config = model.config
     print(
@@ -147,9 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"workload: {args.images} easy-VQA test images x {args.questions_per_image} questions = {len(paths)} pairs; "
         f"median of {args.repeats} round-robin repetitions (after {args.warmup} warm-up)\n"
     )
-    print(markdown_table(samples, args.batch_sizes, len(paths)))
+    print(results_table(timings, args.batch_sizes, len(paths)))
     print(f"\nanswers identical in every case: {'yes' if same else 'NO'}")
-    return samples
+    return timings.samples
 
 
 if __name__ == "__main__":

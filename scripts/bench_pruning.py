@@ -22,74 +22,63 @@ import argparse
 from pathlib import Path
 
 import torch
-
-from vlfuse.analysis.data import build_datamodule, load_batches, read_config
-from vlfuse.analysis.head_scores import weight_norm_scores
-from vlfuse.analysis.pruning import (
-    heads_per_layer,
-    heads_to_prune,
-    measure_latency,
-    prune_model,
-    speedup,
-    take_questions,
+from _common import (
+    DEFAULT_CONFIG,
+    add_model_argument,
+    add_threads_argument,
+    add_timing_arguments,
+    load_datamodule,
+    saved_or_untrained_model,
+    set_threads,
 )
-from vlfuse.model import VLFuseConfig, VLFuseModel
 
-REPO = Path(__file__).resolve().parents[1]
+from vlfuse.analysis import pruning
+from vlfuse.analysis.data import load_batches
+from vlfuse.analysis.head_scores import weight_norm_scores
+from vlfuse.analysis.tables import markdown_table
+
 TARGET_FRACTION, TARGET_SPEEDUP = 0.5, 1.6
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("Example:")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=REPO / "configs" / "easy_vqa.yaml",
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
                         help="config whose data (and, without --model, architecture) to use")
-    parser.add_argument("--model", type=Path, help="saved model directory (default: the config's, untrained)")
+    add_model_argument(parser, required=False, help="saved model directory (default: the config's, untrained)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75],
                         help="shares of the heads to prune (default 0.25 0.5 0.75)")
     parser.add_argument("--questions", type=int, default=64, help="questions per forward pass (default 64)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed repetitions (default 30)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions first (default 3)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    add_timing_arguments(parser, repeats=30, warmup=3)
+    add_threads_argument(parser)
     return parser.parse_args(argv)
-
-
-def load_model(model_dir: Path | None, config: dict, datamodule) -> VLFuseModel:
-    """A saved model, or the config's architecture untrained with its data's answers and questions."""
-    if model_dir is not None:
-        return VLFuseModel.from_pretrained(model_dir)
-    torch.manual_seed(0)
-    architecture = VLFuseConfig.from_dict(config["model"]["architecture"])
-    return VLFuseModel.from_config(architecture, datamodule.answers, datamodule.train_questions)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark and print the table; return ``{name: Latency}``."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     # At least one question per image, so args.questions images are enough.
-    datamodule = build_datamodule(args.config, [f"--data.init_args.limit_images={args.questions}"])
-    model = load_model(args.model, read_config(args.config), datamodule).eval()
-    batch = take_questions(load_batches(datamodule, model, "val"), args.questions)
+    datamodule = load_datamodule(args.config, [f"--data.init_args.limit_images={args.questions}"])
+    model = saved_or_untrained_model(args.model, args.config, datamodule)
+    batch = pruning.take_questions(load_batches(datamodule, model, "val"), args.questions)
 
     scores = weight_norm_scores(model)
     models = {"unpruned": model}
     for fraction in args.fractions:
-        models[f"{fraction:.0%} pruned"] = prune_model(model, heads_to_prune(scores, fraction=fraction))
-    latency = measure_latency(models, batch, repeats=args.repeats, warmup=args.warmup)
+        models[f"{fraction:.0%} pruned"] = pruning.prune_model(model, pruning.heads_to_prune(scores, fraction=fraction))
+    latency = pruning.measure_latency(models, batch, repeats=args.repeats, warmup=args.warmup)
+    ratios = {name: pruning.speedup(latency["unpruned"], latency[name]) for name in models}
 
     print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; {len(batch['questions'])} questions "
           f"about {len(batch['pixel_values'])} images; medians of {args.repeats} side-by-side repetitions\n")
-    print("| model | heads per layer | fusion stack ms | fusion speed-up | whole model ms | whole speed-up |")
-    print("|:---|:---|---:|---:|---:|---:|")
-    ratios = {}
-    for name, pruned in models.items():
-        ratios[name] = speedup(latency["unpruned"], latency[name])
-        heads = ", ".join(map(str, heads_per_layer(pruned)))
-        t = latency[name]
-        print(f"| {name} | {heads} | {t.fusion * 1e3:.2f} | {ratios[name][0]:.2f}x | "
-              f"{t.model * 1e3:.2f} | {ratios[name][1]:.2f}x |")
+    rows = [
+        [name, ", ".join(map(str, pruning.heads_per_layer(pruned))), latency[name].fusion * 1e3, ratios[name][0],
+         latency[name].model * 1e3, ratios[name][1]]
+        for name, pruned in models.items()
+    ]
+    header = ["model", "heads per layer", "fusion stack ms", "fusion speed-up", "whole model ms", "whole speed-up"]
+    print(markdown_table(header, rows, formats=[None, None, "{:.2f}", "{:.2f}x", "{:.2f}", "{:.2f}x"]))
     target = f"{TARGET_FRACTION:.0%} pruned"
     if target in ratios:
         measured = ratios[target][0]

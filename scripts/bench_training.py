@@ -13,28 +13,22 @@ and images/s of the whole step and each part's share of it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
+from _common import load_datamodule, untrained_model
 
+from vlfuse.analysis.tables import markdown_table
+from vlfuse.analysis.timing import time_interleaved
 from vlfuse.data import IGNORE_INDEX
-from vlfuse.datamodules import EasyVQADataModule
-from vlfuse.model import VLFuseConfig, VLFuseModel
 
 
 def load_model_and_batches(config_path: Path, n_batches: int, batch_size: int | None):
-    config = yaml.safe_load(config_path.read_text())
-    architecture = VLFuseConfig.from_dict(config["model"]["architecture"])
-    data_args = dict(config["data"].get("init_args", {}))
-    if batch_size:
-        data_args["batch_size"] = batch_size
-    datamodule = EasyVQADataModule(**{**data_args, "image_size": architecture.image.image_size})
-    torch.manual_seed(0)
-    model = VLFuseModel.from_config(architecture, datamodule.answers, datamodule.train_questions).train()
+    datamodule = load_datamodule(config_path, [f"--data.init_args.batch_size={batch_size}"] if batch_size else [])
+    model = untrained_model(config_path, datamodule).train()
     loader = iter(datamodule.train_dataloader())
     batches = []
     for _ in range(n_batches):
@@ -97,27 +91,25 @@ def main() -> None:
         "text encoder": lambda i: text_part(model, batches[i]),
         "fusion stack + readout": lambda i: fusion_part(model, batches[i], *cached[i]),
     }
-    times: dict[str, list[float]] = {name: [] for name in parts}
-    for rep in range(args.warmup + args.repeats):
-        i = rep % len(batches)
-        names = list(parts)
-        names = names[rep % len(names):] + names[: rep % len(names)]  # rotate the order: noise hits all alike
-        for name in names:
+    def in_turn(part):
+        """``part`` as one timed call: its k-th call runs on batch k mod n, from cleared gradients."""
+        batch_index = itertools.cycle(range(len(batches)))
+
+        def run() -> None:
             model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            parts[name](i)
-            if rep >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    step = medians["whole training step"]
+            part(next(batch_index))
+
+        return run
+
+    timings = time_interleaved({name: in_turn(part) for name, part in parts.items()}, args.repeats, args.warmup)
+    step = timings.median("whole training step")
     questions = statistics.mean(len(b["labels"]) for b in batches)
     images = statistics.mean(len(b["pixel_values"]) for b in batches)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.config}; "
           f"{images:.0f} images / {questions:.0f} questions per batch; medians of {args.repeats} round-robin runs\n")
-    print("| part (forward + backward) | ms per batch | share of the whole step |")
-    print("|:---|---:|---:|")
-    for name, t in medians.items():
-        print(f"| {name} | {t * 1e3:.1f} | {t / step:.0%} |")
+    rows = [[name, timings.median(name) * 1e3, timings.ratio(name, "whole training step")] for name in parts]
+    print(markdown_table(["part (forward + backward)", "ms per batch", "share of the whole step"], rows,
+                         formats=[None, "{:.1f}", "{:.0%}"]))
     print(f"\nthroughput: {questions / step:.0f} questions/s, {images / step:.1f} images/s (training, whole step)")
 
 

@@ -37,7 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-REPO = Path(__file__).resolve().parents[1]
+from _common import REPO, load_datamodule, load_model
+
+from vlfuse.analysis.tables import markdown_table
+
 STUDIES = ("heads", "dropout", "diversity", "normalizer")
 
 
@@ -104,12 +107,11 @@ def read_metrics(path: Path) -> dict[str, float | None]:
 def count_dead_heads(model_dir: Path, config: Path, extra: Sequence[str], max_batches: int) -> int:
     """Dead cross-attention heads of a saved model, over the first validation batches of ``config``."""
     from vlfuse.analysis.collect import collect_head_stats
-    from vlfuse.analysis.data import build_datamodule, load_batches
+    from vlfuse.analysis.data import load_batches
     from vlfuse.analysis.head_roles import dead_heads
-    from vlfuse.model import VLFuseModel
 
-    model = VLFuseModel.from_pretrained(model_dir)
-    datamodule = build_datamodule(config, [a for a in extra if a.startswith("--data.")])
+    model = load_model(model_dir)
+    datamodule = load_datamodule(config, [a for a in extra if a.startswith("--data.")])
     batches = load_batches(datamodule, model, "val", max_batches)
     collection = collect_head_stats(model, batches)
     return sum(sum(dead_heads(stats)) for stats in collection.stats)
@@ -170,22 +172,21 @@ COLUMNS = {  # summary column -> (table header, scale)
 }
 
 
-def markdown_table(rows: list[dict]) -> str:
+def summary_table(rows: list[dict]) -> str:
     """``mean ± std`` per setting, for the columns that some setting has."""
     present = [c for c in COLUMNS if any(f"{c}_mean" in r for r in rows)]
-    lines = [
-        "| setting | runs | " + " | ".join(COLUMNS[c][0] for c in present) + " |",
-        "|:---|---:|" + "---:|" * len(present),
-    ]
-    for row in rows:
-        cells = []
-        for column in present:
-            scale = COLUMNS[column][1]
-            mean, std = row.get(f"{column}_mean"), row.get(f"{column}_std", math.nan)
-            spread = "" if math.isnan(std) else f" ± {std * scale:.1f}"
-            cells.append("-" if mean is None else f"{mean * scale:.1f}{spread}")
-        lines.append(f"| {row['setting']} | {row['runs']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    cells = [[row["setting"], row["runs"], *(_mean_std_cell(row, column) for column in present)] for row in rows]
+    header = ["setting", "runs", *(COLUMNS[c][0] for c in present)]
+    return markdown_table(header, cells, align="lr" + "r" * len(present)) + "\n"
+
+
+def _mean_std_cell(row: dict, column: str) -> str | None:
+    """``mean ± std`` of a summary column, scaled for the table; ``None`` where no run measured it."""
+    scale = COLUMNS[column][1]
+    mean, std = row.get(f"{column}_mean"), row.get(f"{column}_std", math.nan)
+    if mean is None:
+        return None
+    return f"{mean * scale:.1f}" + ("" if math.isnan(std) else f" ± {std * scale:.1f}")
 
 
 def plot(rows: list[dict], results: list[dict], path: Path, accuracy: str) -> None:
@@ -231,7 +232,7 @@ def write_outputs(out: Path, settings: list[Setting], results: list[dict]) -> st
         writer = csv.DictWriter(handle, columns)
         writer.writeheader()
         writer.writerows(rows)
-    table = markdown_table(rows)
+    table = summary_table(rows)
     (out / "summary.md").write_text(table)
     accuracy = "test_acc" if any("test_acc_mean" in r for r in rows) else "val_acc_best"
     plot(rows, results, out / "summary.png", accuracy)

@@ -10,26 +10,25 @@ from __future__ import annotations
 
 import argparse
 
+from _common import add_model_argument, load_model
+
 from vlfuse.analysis.grouped_accuracy import accuracy_by_group, accuracy_table
 from vlfuse.data.shapes import query_depth
 from vlfuse.datamodules import ShapesDataModule
-from vlfuse.model import VLFuseModel
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a directory written by save_pretrained")
+    add_model_argument(parser)
     parser.add_argument("--data-dir", default=None, help="the released SHAPES files (default: see ShapesDataModule)")
     args = parser.parse_args()
 
-    model = VLFuseModel.from_pretrained(args.model).eval()
+    model = load_model(args.model)
     data = ShapesDataModule(data_dir=args.data_dir, image_size=model.config.image.image_size, batch_size=128)
     depths = [query_depth(q) for q in data.queries("val")]
     correct, total = accuracy_by_group(model, data.val_dataloader(), lambda row, question: depths[row])
-    table = accuracy_table(
-        correct, total, group="question depth (relations)", accuracy="val accuracy", align="---:", overall_digits=1
-    )
-    print(table)
+    print(accuracy_table(correct, total, group="question depth (relations)", accuracy="val accuracy"))
+
 
 if __name__ == "__main__":
     main()

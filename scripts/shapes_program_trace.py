@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _common import add_model_argument, load_model
 
+from vlfuse.analysis.tables import markdown_table
 from vlfuse.data.shapes import distinct_queries
 from vlfuse.datamodules import ShapesDataModule
 from vlfuse.model import VLFuseModel
@@ -25,12 +27,14 @@ def word_table(model: VLFuseModel, words: list[str]) -> str:
     reader = model.readout.reader
     weights, offsets = reader.operations(model.encode_questions(ids, torch.ones_like(ids)))
     steps = reader.offset_steps()
-    lines = ["| word | " + " | ".join(OPERATIONS) + " | moves the set by (weight) |", "|---|---:|---:|---:|---|"]
+    rows = []
     for word, mix, offset in zip(words, weights[0].tolist(), offsets[0]):
         best = int(offset.argmax())
         move = f"{steps[best]} ({offset[best]:.2f})" if mix[2] > 0.5 else ""
-        lines.append(f"| {word} | " + " | ".join(f"{w:.2f}" for w in mix) + f" | {move} |")
-    return "\n".join(lines)
+        rows.append([word, *mix, move])
+    header = ["word", *OPERATIONS, "moves the set by (weight)"]
+    formats = [None, *["{:.2f}"] * len(OPERATIONS), None]
+    return markdown_table(header, rows, formats=formats, align="l" + "r" * len(OPERATIONS) + "l")
 
 
 def grid(cells: torch.Tensor, rows: int, cols: int) -> list[str]:
@@ -57,12 +61,12 @@ def trace(model: VLFuseModel, image: torch.Tensor, question: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a directory written by save_pretrained (readout map_program)")
+    add_model_argument(parser, help="a directory written by save_pretrained (readout map_program)")
     parser.add_argument("--data-dir", default=None, help="the released SHAPES files (default: see ShapesDataModule)")
     parser.add_argument("--examples", type=int, default=2, help="val questions to trace (one image each)")
     args = parser.parse_args()
 
-    model = VLFuseModel.from_pretrained(args.model).eval()
+    model = load_model(args.model)
     if not isinstance(model.readout, MapProgramReadout):
         parser.error(f"{args.model} has no map-program reader (readout {model.config.readout!r})")
     data = ShapesDataModule(data_dir=args.data_dir, image_size=model.config.image.image_size)

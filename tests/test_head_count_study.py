@@ -6,10 +6,16 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+
+from vlfuse.analysis.data import build_datamodule, load_batches
+from vlfuse.analysis.head_scores import evaluate
+from vlfuse.model import VLFuseModel
 
 from conftest import REPO, tiny_cli_args
 
@@ -120,26 +126,58 @@ def test_bad_arguments_are_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_study(tmp_path_factory):
-    """One real tiny run: 1 head count x 1 seed, 1 epoch on 8 images."""
+    """One real tiny run: 1 head count x 1 seed, 1 epoch on 8 images; and the seconds the study took."""
     out = tmp_path_factory.mktemp("study")
     extra = [*tiny_cli_args(out / "unused"), "--test_after_fit=false"]
     command = [sys.executable, str(SCRIPT), "--config", str(CONFIG), "--heads", "2", "--seeds", "0", "--epochs", "1",
                "--out", str(out), "--", *extra]
+    start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return out, extra
+    return out, extra, elapsed
 
 
-def test_a_tiny_real_run_gives_a_result_and_a_table(tiny_study):
-    out, _ = tiny_study
+def test_a_tiny_real_run_records_the_val_accuracy_of_its_model_and_a_table(tiny_study):
+    out, extra, elapsed = tiny_study
     result = json.loads((out / "heads_2" / "seed0" / "result.json").read_text())
-    assert 0 <= result["val_acc_best"] <= 1 and result["test_acc"] is None and result["wall_s"] > 0
-    assert (out / "heads_2" / "seed0" / "model" / "model.safetensors").exists()
+    # One epoch: the best val/acc is the exported model's accuracy on the val split, measured again here.
+    model = VLFuseModel.from_pretrained(out / "heads_2" / "seed0" / "model")
+    datamodule = build_datamodule(CONFIG, [a for a in extra if a.startswith("--data.")])
+    assert result["val_acc_best"] == pytest.approx(evaluate(model, load_batches(datamodule, model, "val")), abs=1e-6)
+    assert result["test_acc"] is None  # --test_after_fit=false
+    assert 0 < result["wall_s"] <= elapsed  # the fit command ran inside the study
     assert "| heads=2 | 1 |" in (out / "summary.md").read_text()
 
 
-def test_dead_heads_of_a_real_run(tiny_study):
-    pytest.importorskip("vlfuse.analysis.head_roles")
-    out, extra = tiny_study
-    dead = study.count_dead_heads(out / "heads_2" / "seed0" / "model", CONFIG, extra, max_batches=2)
-    assert 0 <= dead <= 2  # one fusion layer of 2 heads
+def save_with_heads_edited(model_dir: Path, out: Path, *, sharpen=(), flatten=(), silence=()) -> Path:
+    """A copy of a saved model whose cross-attention heads (positions) are edited in every layer:
+    ``sharpen`` scales the head's query rows 100x (peaked attention), ``flatten`` zeroes them (uniform
+    attention: scores all 0), ``silence`` zeroes its columns of the output projection (no contribution)."""
+    model = VLFuseModel.from_pretrained(model_dir)
+    with torch.no_grad():
+        for block in model.fusion.blocks:
+            attn = block.cross_attn
+            for heads, scale in ((sharpen, 100.0), (flatten, 0.0)):
+                for head in heads:
+                    rows = slice(head * attn.head_dim, (head + 1) * attn.head_dim)
+                    attn.q_proj.weight[rows] *= scale
+                    attn.q_proj.bias[rows] *= scale
+            for head in silence:
+                attn.out_proj.weight[:, head * attn.head_dim : (head + 1) * attn.head_dim] = 0.0
+    return model.save_pretrained(out)
+
+
+@pytest.mark.parametrize(
+    "edits, dead",
+    [
+        (dict(sharpen=[0, 1]), 0),
+        (dict(sharpen=[0], silence=[1]), 1),  # dead by its contribution
+        (dict(flatten=[0, 1]), 2),  # dead by their entropy
+    ],
+    ids=["both-peaked", "one-silent", "both-uniform"],
+)
+def test_dead_heads_of_a_real_run_are_the_uniform_and_the_silent_ones(tiny_study, tmp_path, edits, dead):
+    out, extra, _ = tiny_study
+    model_dir = save_with_heads_edited(out / "heads_2" / "seed0" / "model", tmp_path / "edited", **edits)
+    assert study.count_dead_heads(model_dir, CONFIG, extra, max_batches=2) == dead  # one fusion layer of 2 heads

@@ -132,11 +132,23 @@ def test_take_questions_keeps_only_the_images_asked_about(batches):
     assert len(take_questions(batches, 100)["questions"]) == 13
 
 
-def test_measure_latency_times_every_model(model, batches):
-    pruned = prune_model(model, HEADS)
-    latency = measure_latency({"before": model, "after": pruned}, take_questions(batches, 8), repeats=2, warmup=1)
-    assert set(latency) == {"before", "after"}
-    assert all(isinstance(t, Latency) and t.fusion > 0 and t.model > 0 for t in latency.values())
+def test_measure_latency_times_every_model(model, batches, monkeypatch):
+    # A clock that moves only in forward passes, by a cost per model and part: each sample must be one
+    # model's own fusion stack or whole forward pass, warm-up left out, and speedup their paired ratio.
+    from vlfuse.analysis import timing
+    from vlfuse.analysis.pruning import speedup
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "perf_counter", lambda: now[0])
+    models = {"before": prune_model(model, {}), "after": prune_model(model, HEADS)}  # copies carry the hooks
+    for name, (fusion_cost, rest_cost) in {"before": (4.0, 2.0), "after": (1.0, 1.0)}.items():
+        models[name].fusion.register_forward_hook(lambda *_, cost=fusion_cost: now.__setitem__(0, now[0] + cost))
+        models[name].register_forward_hook(lambda *_, cost=rest_cost: now.__setitem__(0, now[0] + cost))
+    latency = measure_latency(models, take_questions(batches, 8), repeats=2, warmup=1)
+    assert all(isinstance(t, Latency) for t in latency.values())
+    assert {name: (t.fusion_times, t.model_times) for name, t in latency.items()} == {
+        "before": ([4.0, 4.0], [6.0, 6.0]), "after": ([1.0, 1.0], [2.0, 2.0])}
+    assert speedup(latency["before"], latency["after"]) == (4.0, 3.0)
     with pytest.raises(ValueError, match="repeats must be at least 1"):
         measure_latency({"before": model}, batches[0], repeats=0)
 

@@ -33,6 +33,7 @@ from vlfuse.analysis.pruning import (
     speedup,
     take_questions,
 )
+from vlfuse.analysis.tables import markdown_table
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules import VQADataModule
 from vlfuse.datamodules.base import SPLITS
@@ -85,9 +86,7 @@ def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, accel
 # ------------------------------------------------------------------------------------ report
 def format_report(rows: list[tuple[str, str, str, str]]) -> str:
     """A markdown table ``| | before | after | change |``."""
-    lines = ["| | before | after | change |", "|:---|---:|---:|---:|"]
-    lines += [f"| {name} | {before} | {after} | {change} |" for name, before, after, change in rows]
-    return "\n".join(lines)
+    return markdown_table(["", "before", "after", "change"], rows, align="lrrr")
 
 
 def size_rows(model: VLFuseModel, pruned: VLFuseModel) -> list[tuple[str, str, str, str]]:

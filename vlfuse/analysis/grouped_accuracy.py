@@ -7,6 +7,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
+from vlfuse.analysis.tables import markdown_table
 from vlfuse.model import VLFuseModel
 
 
@@ -32,19 +33,13 @@ def accuracy_by_group(
     return correct, total
 
 
-def accuracy_table(
-    correct: Counter, total: Counter, *, group: str, accuracy: str, align: str, overall_digits: int
-) -> str:
+def accuracy_table(correct: Counter, total: Counter, *, group: str, accuracy: str, digits: int = 1) -> str:
     """A Markdown table: one row per group (sorted), then an ``all`` row.
 
     Args:
         group, accuracy: headers of the first and last columns.
-        align: the first column's alignment row cell, e.g. ``":---"``.
-        overall_digits: decimals of the ``all`` row's percentage.
+        digits: decimals of the percentages.
     """
-    lines = [f"| {group} | questions | {accuracy} |", f"|{align}|---:|---:|"]
-    for group in sorted(total):
-        lines.append(f"| {group} | {total[group]} | {correct[group] / total[group]:.1%} |")
-    overall = sum(correct.values()) / sum(total.values())
-    lines.append(f"| all | {sum(total.values())} | {overall:.{overall_digits}%} |")
-    return "\n".join(lines)
+    rows = [[name, total[name], correct[name] / total[name]] for name in sorted(total)]
+    rows.append(["all", sum(total.values()), sum(correct.values()) / sum(total.values())])
+    return markdown_table([group, "questions", accuracy], rows, formats=[None, None, f"{{:.{digits}%}}"])

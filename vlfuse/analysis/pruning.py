@@ -9,13 +9,13 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from vlfuse.analysis.timing import paired_ratio, time_interleaved
 from vlfuse.model import VLFuseModel
 
 
@@ -117,10 +117,7 @@ def speedup(before: Latency, after: Latency) -> tuple[float, float]:
     Medians of the per-repetition ratios: repetition i of both ran side by side, so a burst of
     load from other processes cancels out, which a ratio of medians does not guarantee.
     """
-    return (
-        statistics.median(b / a for b, a in zip(before.fusion_times, after.fusion_times)),
-        statistics.median(b / a for b, a in zip(before.model_times, after.model_times)),
-    )
+    return paired_ratio(before.fusion_times, after.fusion_times), paired_ratio(before.model_times, after.model_times)
 
 
 def take_questions(batches: Sequence[dict], n: int) -> dict:
@@ -162,17 +159,10 @@ def measure_latency(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    runs = {name: _forward_runs(model, batch) for name, model in models.items()}
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in runs}
-    names = list(runs)
-    for rep in range(warmup + repeats):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            for part, run in zip(times[name], runs[name]):
-                start = time.perf_counter()
-                run()
-                if rep >= warmup:
-                    part.append(time.perf_counter() - start)
-    return {name: Latency(fusion, whole) for name, (fusion, whole) in times.items()}
+    runs = {(name, part): run for name, model in models.items()
+            for part, run in zip(("fusion", "model"), _forward_runs(model, batch))}
+    times = time_interleaved(runs, repeats, warmup).samples
+    return {name: Latency(times[name, "fusion"], times[name, "model"]) for name in models}
 
 
 def _forward_runs(model: VLFuseModel, batch: dict):

@@ -7,7 +7,6 @@ accuracy against the fraction of heads pruned.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -19,6 +18,7 @@ from vlfuse.analysis.attention_maps import draw_attention_map
 from vlfuse.analysis.collect import HeadCollection
 from vlfuse.analysis.figures import draw_agreement, draw_layer_head_maps, draw_pruning_curves
 from vlfuse.analysis.head_roles import ROLES, HeadRules, dead_heads, role_tags
+from vlfuse.analysis.tables import markdown_table
 
 STATISTICS = {
     # column title -> (HeadStats attribute, format)
@@ -71,10 +71,6 @@ def by_original_head(collection: HeadCollection, attribute: str, num_heads: int)
     for layer, (stats, ids) in enumerate(zip(collection.stats, collection.head_ids)):
         table[layer, ids] = getattr(stats, attribute).numpy()
     return table
-
-
-def _fmt(value: float, pattern: str = "{:.3f}") -> str:
-    return "n/a" if not math.isfinite(value) else pattern.format(value)
 
 
 def write_report(
@@ -178,17 +174,18 @@ def _statistics_section(out: Path, collection, num_heads: int, dead, roles) -> l
     lines = ["## Statistics per head", "", "![statistics per head](head_statistics.png)", ""]
     lines += ["![agreement between heads](head_agreement.png)", ""]
     columns = ["head", *STATISTICS, "dead", "role"]
+    formats = [None, *(pattern for _, pattern in STATISTICS.values()), None, None]
     for layer, (stats, ids) in enumerate(zip(collection.stats, collection.head_ids)):
         pruned = sorted(set(range(num_heads)) - set(ids))
         lines += [f"### Layer {layer}", ""]
         if pruned:
             lines += [f"Pruned heads: {', '.join(map(str, pruned))}.", ""]
-        lines += ["| " + " | ".join(columns) + " |", "|" + "---:|" * (len(columns) - 2) + ":---|:---|"]
-        for i, head in enumerate(ids):
-            values = [_fmt(float(getattr(stats, attr)[i]), pattern) for attr, pattern in STATISTICS.values()]
-            flag = "yes" if dead[layer][i] else ""
-            lines.append(f"| {head} | " + " | ".join(values) + f" | {flag} | {roles[layer][i]} |")
-        lines.append("")
+        rows = [
+            [head, *(float(getattr(stats, attr)[i]) for attr, _ in STATISTICS.values()),
+             "yes" if dead[layer][i] else "", roles[layer][i]]
+            for i, head in enumerate(ids)
+        ]
+        lines += [markdown_table(columns, rows, formats=formats, align="r" * (len(columns) - 2) + "ll"), ""]
     return lines
 
 
@@ -243,17 +240,15 @@ def _scores_section(out: Path, collection: HeadCollection, scores, notes: Mappin
         ranked[keep] = int(keep.sum()) + 1 - rank(flat[keep])  # 1 = the highest score
         ranks[name] = ranked.view_as(scores[name])
     header = ["layer", "head", *names, *(f"rank ({n})" for n in names)]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    for layer, ids in enumerate(collection.head_ids):
-        for head in ids:
-            values = [_fmt(float(scores[n][layer, head]), "{:.4g}") for n in names]
-            values += [_fmt(float(ranks[n][layer, head]), "{:.0f}") for n in names]
-            lines.append(f"| {layer} | {head} | " + " | ".join(values) + " |")
+    rows = [
+        [layer, head, *(float(scores[n][layer, head]) for n in names), *(float(ranks[n][layer, head]) for n in names)]
+        for layer, ids in enumerate(collection.head_ids)
+        for head in ids
+    ]
+    lines += [markdown_table(header, rows, formats=[None, None, *["{:.4g}"] * len(names), *["{:.0f}"] * len(names)])]
     lines += ["", "Spearman rank correlation between the scores:", ""]
-    lines += ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for a in names:
-        lines.append(f"| {a} | " + " | ".join(_fmt(spearman(scores[a], scores[b]), "{:.3f}") for b in names) + " |")
-    lines.append("")
+    correlations = [[a, *(spearman(scores[a], scores[b]) for b in names)] for a in names]
+    lines += [markdown_table(["", *names], correlations, formats="{:.3f}"), ""]
     return lines
 
 
@@ -272,11 +267,7 @@ def _pruning_section(out: Path, curves: Mapping[str, Sequence[tuple[float, float
         "",
         "![accuracy against the fraction of heads pruned](pruning_curve.png)",
         "",
-        "| fraction pruned | " + " | ".join(names) + " |",
-        "|---:|" + "---:|" * len(names),
     ]
-    for f in fractions:
-        values = [_fmt(accuracy[n].get(f, float("nan")), "{:.4f}") for n in names]
-        lines.append(f"| {f:.2f} | " + " | ".join(values) + " |")
-    lines.append("")
+    rows = [[f, *(accuracy[n].get(f, float("nan")) for n in names)] for f in fractions]
+    lines += [markdown_table(["fraction pruned", *names], rows, formats=["{:.2f}", *["{:.4f}"] * len(names)]), ""]
     return lines
