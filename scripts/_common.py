@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from vlfuse import runtime
 from vlfuse.analysis.data import build_datamodule, read_config
 from vlfuse.datamodules import VQADataModule
 from vlfuse.model import VLFuseConfig, VLFuseModel
@@ -88,18 +89,17 @@ def add_timing_arguments(parser: argparse.ArgumentParser, *, repeats: int, warmu
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
-    """``--threads N``: torch's CPU threads; read it with :func:`set_threads`."""
-    parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    """``--threads N``: torch's CPU threads (default :data:`vlfuse.runtime.DEFAULT_THREADS`); read it with :func:`set_threads`."""
+    runtime.add_threads_argument(parser)
 
 
-def set_threads(threads: int | None) -> None:
-    """Use ``threads`` CPU threads in torch (``None``: leave torch's choice).
+def set_threads(count: int | None) -> None:
+    """Use ``count`` CPU threads in torch (``None``: leave torch's choice).
 
     Raises:
-        SystemExit: ``threads`` is below 1.
+        SystemExit: ``count`` is below 1 (one line naming ``--threads``).
     """
-    if threads is None:
-        return
-    if threads < 1:
-        raise SystemExit(f"error: --threads must be at least 1, got {threads}")
-    torch.set_num_threads(threads)
+    try:
+        runtime.set_threads(count)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Pairs per second of vlfuse.predict.Predictor on CPU: batch sizes x image cache on/off.
+"""Pairs per second of vlfuse.predict.Predictor on CPU: batch sizes x image cache on/off x torch threads.
 
 The workload is easy-VQA test images with several questions each (10 by default), image after
 image, as an application asking many questions about each picture would send them. Each case is a
@@ -9,35 +9,44 @@ one case later than the previous repetition, so that load from other processes h
 alike. Speeds come from median times; ratios are medians of the per-repetition ratios, which are
 steadier than ratios of medians on a shared machine.
 
+``--threads 1 2`` compares thread counts (each case sets its own, through ``Predictor(threads=)``);
+``--busy N`` runs N busy-looping processes for the whole measurement: a machine loaded by others,
+side by side with the same command at ``--busy 0``.
+
 Without ``--model`` the default architecture of configs/easy_vqa.yaml is built untrained (speed
 does not depend on the weights), with easy-VQA's answers and a tokenizer from its questions.
 
 Example:
     .venv/bin/python scripts/bench_predict.py
     .venv/bin/python scripts/bench_predict.py --model runs/easy_vqa/model --batch-sizes 1 16 64
+    .venv/bin/python scripts/bench_predict.py --batch-sizes 64 --threads 1 2 --busy 2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import subprocess
+import sys
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from _common import (
     DEFAULT_CONFIG,
     add_model_argument,
-    add_threads_argument,
     add_timing_arguments,
     saved_or_untrained_model,
-    set_threads,
 )
 
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.analysis.timing import Timings, time_interleaved
 from vlfuse.predict import Predictor, PredictWarning
+from vlfuse.runtime import DEFAULT_THREADS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,9 +60,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 64], help="Predictor batch sizes (default 1 64)"
     )
+    parser.add_argument("--threads", type=int, nargs="+", default=[DEFAULT_THREADS], metavar="N",
+                        help=f"torch CPU thread counts to compare (default {DEFAULT_THREADS})")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="busy-looping processes to run meanwhile: a loaded machine (default 0)")
     add_timing_arguments(parser, repeats=10, warmup=1)
-    add_threads_argument(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if min(args.threads) < 1 or args.busy < 0:
+        parser.error(f"--threads must be at least 1 and --busy at least 0, got {args.threads} and {args.busy}")
+    return args
+
+
+@contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """Run ``count`` processes that spin on a core each, for the duration of the block."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def workload(n_images: int, per_image: int) -> tuple[list[str], list[str]]:
@@ -85,41 +112,47 @@ def time_predictors(predictors: dict, paths, questions, repeats: int, warmup: in
     return time_interleaved({case: ask(case) for case in predictors}, repeats, warmup), answers
 
 
-def results_table(timings: Timings, batch_sizes: list[int], n_pairs: int) -> str:
-    """Rows per (batch size, cache); speed-up of the cache at that batch size and versus batch 1 without cache."""
-    baseline = (batch_sizes[0], False)
+def results_table(timings: Timings, batch_sizes: list[int], threads: list[int], n_pairs: int) -> str:
+    """Rows per (batch size, cache, threads): speed, the cache's speed-up, the speed-up versus batch 1
+    without cache, and the time with ``threads[0]`` threads over this case's time (>1: this count is faster)."""
+    baseline = (batch_sizes[0], False, threads[0])
     rows = []
     for batch_size in batch_sizes:
         for cache in (True, False):
-            seconds = timings.median((batch_size, cache))
-            rows.append([
-                batch_size, "on" if cache else "off", n_pairs / seconds, 1000 * seconds / n_pairs,
-                timings.ratio((batch_size, False), (batch_size, cache)), timings.ratio(baseline, (batch_size, cache)),
-            ])
-    header = ["batch size", "image cache", "pairs/s", "ms/pair", "cache speed-up",
-              f"vs batch {batch_sizes[0]}, no cache"]
-    return markdown_table(header, rows, formats=[None, None, "{:.1f}", "{:.2f}", "{:.2f}x", "{:.2f}x"])
+            for count in threads:
+                case = (batch_size, cache, count)
+                seconds = timings.median(case)
+                rows.append([
+                    batch_size, "on" if cache else "off", count, n_pairs / seconds, 1000 * seconds / n_pairs,
+                    timings.ratio((batch_size, False, count), case), timings.ratio(baseline, case),
+                    timings.ratio((batch_size, cache, threads[0]), case),
+                ])
+    header = ["batch size", "image cache", "threads", "pairs/s", "ms/pair", "cache speed-up",
+              f"vs batch {batch_sizes[0]}, no cache, {threads[0]} thread(s)", f"vs {threads[0]} thread(s)"]
+    return markdown_table(header, rows, formats=[None, None, None, "{:.1f}", "{:.2f}", "{:.2f}x", "{:.2f}x", "{:.2f}x"])
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark, print the table; return ``{(batch size, cache): [seconds per call]}``."""
+    """Run the benchmark, print the table; return ``{(batch size, cache, threads): [seconds per call]}``."""
     args = parse_args(argv)
-    set_threads(args.threads)
     model = saved_or_untrained_model(args.model, args.config)
     paths, questions = workload(args.images, args.questions_per_image)
     predictors = {
-        (batch_size, cache): Predictor(model, batch_size=batch_size, cache_images=cache)
+        (batch_size, cache, count): Predictor(model, batch_size=batch_size, cache_images=cache, threads=count)
         for batch_size in args.batch_sizes
         for cache in (True, False)
+        for count in args.threads
     }
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), busy_processes(args.busy):
         warnings.simplefilter("ignore", PredictWarning)  # a model trained elsewhere may not know easy-VQA's words
+        load = os.getloadavg()[0]
         timings, answers = time_predictors(predictors, paths, questions, args.repeats, args.warmup)
     same = len({tuple(a) for a in answers.values()}) == 1
     config = model.config
     print(
         f"Predictor on {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"torch threads: {torch.get_num_threads()}; model: {args.model or 'untrained ' + args.config.name} "
+        f"{os.cpu_count()} cores, load average {load:.1f} at the start, {args.busy} busy processes added; "
+        f"model: {args.model or 'untrained ' + args.config.name} "
         f"(image {config.image.image_size}px, {model.image_encoder.grid_size} patches, fusion {config.fusion_depth}x"
         f"{config.fusion_heads} heads, dim {config.fusion_dim})"
     )
@@ -127,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"workload: {args.images} easy-VQA test images x {args.questions_per_image} questions = {len(paths)} pairs; "
         f"median of {args.repeats} round-robin repetitions (after {args.warmup} warm-up)\n"
     )
-    print(results_table(timings, args.batch_sizes, len(paths)))
+    print(results_table(timings, args.batch_sizes, args.threads, len(paths)))
     print(f"\nanswers identical in every case: {'yes' if same else 'NO'}")
     return timings.samples
 

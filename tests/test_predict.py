@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from vlfuse.analysis import draw_attention_map, split_prefix
+from vlfuse.analysis.attention_maps import MAX_OPACITY, attention_figure, heat_overlay
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.data import preprocess_image
 from vlfuse.encoders import ImageEncoder
@@ -120,8 +121,6 @@ def test_top_k_lists_the_best_answers_in_order(predictor, images):
 def test_misused_arguments_are_refused(predictor, images):
     with pytest.raises(ValueError, match="must be sequences"):
         predictor.predict(str(images[0]), "what?")
-    with pytest.raises(ValueError, match="2 images, 1 questions"):
-        predictor.predict(images[:2], QUESTIONS[:1])
     with pytest.raises(ValueError, match="errors must be one of"):
         predictor.predict(images[:1], QUESTIONS[:1], errors="ignore")
     with pytest.raises(ValueError, match="need attention_maps"):
@@ -129,6 +128,34 @@ def test_misused_arguments_are_refused(predictor, images):
     with pytest.raises(ValueError, match=r"attention layers \[2\] out of range: the model has fusion layers 0..1"):
         predictor.predict(images[:1], QUESTIONS[:1], attention_maps="unused", attention_layers=[2])
     assert predictor.predict([], []) == []
+
+
+def test_mismatched_lengths_name_only_what_was_passed(predictor, images):
+    with pytest.raises(ValueError) as error:
+        predictor.predict(images[:2], QUESTIONS[:1])
+    assert str(error.value) == "need one image per question: got 2 images and 1 questions"
+    with pytest.raises(ValueError) as error:
+        predictor.predict(images[:2], QUESTIONS[:2], names=["a"])
+    assert str(error.value) == "need one image and one name per question: got 2 images, 2 questions and 1 names"
+
+
+def test_predict_runs_with_its_thread_count_and_restores_the_callers(model_dir, images, monkeypatch):
+    seen = []
+    original = VLFuseModel.encode_images
+
+    def recording(self, pixels):
+        seen.append(torch.get_num_threads())
+        return original(self, pixels)
+
+    monkeypatch.setattr(VLFuseModel, "encode_images", recording)
+    before = torch.get_num_threads()
+    for threads in (2, 1):
+        Predictor.from_pretrained(model_dir, threads=threads).predict(images[:1], QUESTIONS[:1])
+    Predictor.from_pretrained(model_dir, threads=None).predict(images[:1], QUESTIONS[:1])
+    assert seen == [2, 1, before]
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads must be a whole number of at least 1, got 0"):
+        Predictor.from_pretrained(model_dir, threads=0)
 
 
 # ------------------------------------------------------------------------------- image cache
@@ -318,6 +345,23 @@ def test_attention_token_selects_one_position_and_is_checked(predictor, images, 
     assert "answer" in results[0]
 
 
+def test_heat_overlay_leaves_unattended_patches_transparent():
+    overlay = heat_overlay(np.array([[0.0, 0.5], [1.0, 2.0]]), vmax=1.0)
+    assert overlay.shape == (2, 2, 4)
+    assert overlay[0, 0, 3] == 0.0  # no attention: the image shows unchanged
+    assert overlay[0, 1, 3] == pytest.approx(MAX_OPACITY / 2)
+    assert overlay[1, 0, 3] == overlay[1, 1, 3] == pytest.approx(MAX_OPACITY)  # clipped at vmax
+
+
+def test_attention_figure_has_a_panel_per_head_and_one_colour_bar():
+    weights = torch.rand(3, 1 + 4).softmax(-1)
+    figure = attention_figure(np.full((16, 16, 3), 0.5), weights, (2, 2), 1)
+    bars = [ax for ax in figure.axes if ax.get_label() == "<colorbar>"]
+    assert len(figure.axes) == 3 + 1 + 1 and len(bars) == 1
+    assert bars[0].get_ylim()[1] == pytest.approx(float(split_prefix(weights, (2, 2), 1)[0].max()))
+    assert "attention to the patch" in bars[0].get_ylabel()
+
+
 def test_draw_attention_map_labels_pruned_heads(tmp_path):
     weights = torch.rand(14, 1 + 9).softmax(-1)
     kept = [1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # heads 0 and 5 pruned
@@ -342,6 +386,15 @@ def test_cli_single_pair_prints_answer_probability_and_top_k(predictor, model_di
     assert [line.split() for line in lines[2:]] == [[e["answer"], f"{e['score']:.4f}"] for e in expected["top_k"]]
 
 
+def test_cli_directory_as_image_and_missing_model_folder_get_their_own_line(model_dir, images, tmp_path, capsys):
+    question = ["--question", QUESTIONS[0]]
+    assert vlfuse_main(["predict", "--model", str(model_dir), "--image", str(tmp_path), *question]) == 2
+    assert capsys.readouterr().err == f"vlfuse: error: {tmp_path} is a directory, not an image file\n"
+    missing = tmp_path / "no_such_model"
+    assert vlfuse_main(["predict", "--model", str(missing), "--image", str(images[0]), *question]) == 2
+    assert capsys.readouterr().err == f"vlfuse: error: model folder not found: {missing}\n"
+
+
 def test_cli_single_pair_errors_are_one_line(model_dir, tmp_path, capsys):
     missing = str(tmp_path / "x.png")
     assert vlfuse_main(["predict", "--model", str(model_dir), "--image", missing, "--question", "what?"]) == 2
@@ -351,7 +404,7 @@ def test_cli_single_pair_errors_are_one_line(model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         vlfuse_main(["predict", "--model", str(model_dir), "--image", "x.png", "--input", "pairs.jsonl"])
     assert exit_info.value.code == 2
-    assert "give either --image and --question, or --input and --output" in capsys.readouterr().err
+    assert "give either --image and --question, or --input (and optionally --output)" in capsys.readouterr().err
 
 
 def test_cli_batch_reports_bad_rows_and_answers_the_rest_in_order(
@@ -411,7 +464,30 @@ def test_cli_batch_top_k_and_attention_maps(model_dir, images, tmp_path, capsys)
     assert sorted(p.name for p in maps.iterdir()) == [
         "line_1.json", "line_1.npz", "line_1_layer0.png", "line_2.json", "line_2.npz", "line_2_layer0.png"]
     assert rows[1]["attention_maps"]["png"] == [str(maps / "line_2_layer0.png")]
-    assert capsys.readouterr().err == f"vlfuse predict: answered every row (2); wrote {output}\n"
+    assert capsys.readouterr().err == (
+        f"vlfuse predict: wrote attention maps to {maps}\nvlfuse predict: answered every row (2); wrote {output}\n"
+    )
+
+
+def test_cli_without_output_writes_jsonl_to_stdout_and_the_summary_to_stderr(predictor, model_dir, images, tmp_path,
+                                                                            capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"image": str(p), "question": QUESTIONS[0]}) + "\n" for p in images[:2]))
+    assert vlfuse_main(["predict", "--model", str(model_dir), "--input", str(pairs)]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    expected = predictor.predict(images[:2], [QUESTIONS[0]] * 2)
+    assert [(r["line"], r["answer"]) for r in rows] == [(1, expected[0]["answer"]), (2, expected[1]["answer"])]
+    assert captured.err == "vlfuse predict: answered every row (2); wrote standard output\n"
+
+
+def test_cli_single_pair_says_where_the_attention_maps_are(model_dir, images, tmp_path, capsys):
+    args = ["predict", "--model", str(model_dir), "--image", str(images[0]), "--question", QUESTIONS[0],
+            "--attention-maps", str(tmp_path / "maps"), "--attention-layers", "1"]
+    assert vlfuse_main(args) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == f"attention maps: {tmp_path / 'maps' / 'row_0_layer1.png'}"
+    assert (tmp_path / "maps" / "row_0_layer1.png").stat().st_size > 0
 
 
 # ------------------------------------------------------------------------------- the benchmark
@@ -421,12 +497,14 @@ def test_benchmark_runs_every_case_and_prints_a_table(model_dir, capsys):
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
     args = ["--model", str(model_dir), "--images", "2", "--questions-per-image", "3", "--batch-sizes", "1", "4",
-            "--repeats", "2", "--warmup", "0", "--threads", "1"]
+            "--repeats", "2", "--warmup", "0", "--threads", "1", "2", "--busy", "1"]
     samples = bench.main(args)
-    assert set(samples) == {(1, True), (1, False), (4, True), (4, False)}
+    assert set(samples) == {(b, cache, t) for b in (1, 4) for cache in (True, False) for t in (1, 2)}
     assert all(len(times) == 2 for times in samples.values())
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    cases = [line.split("|")[1:3] for line in table]
-    assert cases == [[" 1 ", " on "], [" 1 ", " off "], [" 4 ", " on "], [" 4 ", " off "]]
+    cases = [[cell.strip() for cell in line.split("|")[1:4]] for line in table]
+    assert cases == [[b, cache, t] for b in ("1", "4") for cache in ("on", "off") for t in ("1", "2")]
+    assert [line.split("|")[-2].strip() for line in table][::2] == ["1.00x"] * 4  # 1 thread vs itself
+    assert "1 busy processes added" in out
     assert "answers identical in every case: yes" in out

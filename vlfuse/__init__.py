@@ -1,13 +1,19 @@
 """vlfuse: vision-language fusion with analysable multi-head cross-attention."""
 
-from vlfuse.layers import CrossAttention, FusionBlock, FusionStack, ProjectedContext
-
 __all__ = ["CrossAttention", "FusionBlock", "FusionStack", "Predictor", "ProjectedContext", "VLFuseConfig", "VLFuseModel"]
 __version__ = "0.1.0"
 
-# The model and the predictor import timm, transformers and matplotlib: load them only when asked
-# for, so that `import vlfuse` stays light for users of the layers alone.
-_LAZY = {"Predictor": "vlfuse.predict", "VLFuseModel": "vlfuse.model", "VLFuseConfig": "vlfuse.model"}
+# Every public name imports torch, and the model and the predictor timm, transformers and
+# matplotlib: each is loaded on first use, so that `import vlfuse` and `vlfuse --help` are instant.
+_LAZY = {
+    "CrossAttention": "vlfuse.layers",
+    "FusionBlock": "vlfuse.layers",
+    "FusionStack": "vlfuse.layers",
+    "ProjectedContext": "vlfuse.layers",
+    "Predictor": "vlfuse.predict",
+    "VLFuseModel": "vlfuse.model",
+    "VLFuseConfig": "vlfuse.model",
+}
 
 
 def __getattr__(name: str):
@@ -16,3 +22,7 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'vlfuse' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

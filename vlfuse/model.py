@@ -494,6 +494,8 @@ class VLFuseModel(nn.Module):
         never read are reset to their defaults (they had no effect), so the logits are unchanged.
         """
         directory = Path(directory)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"model folder not found: {directory}")
         missing = [n for n in (WEIGHTS_FILE, CONFIG_FILE, ANSWERS_FILE, TOKENIZER_DIR) if not (directory / n).exists()]
         if missing:
             raise FileNotFoundError(f"{directory} is not a saved vlfuse model: missing {', '.join(missing)}")

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Hashable, Sequence
@@ -25,6 +26,14 @@ from tqdm import tqdm
 from vlfuse.analysis.attention_maps import draw_attention_map, select_query, split_prefix
 from vlfuse.data import ImageLoadError, ImageSource, preprocess_image
 from vlfuse.model import ImageContext, VLFuseModel
+from vlfuse.runtime import (
+    DEFAULT_DEVICE,
+    DEFAULT_THREADS,
+    add_device_argument,
+    add_threads_argument,
+    check_threads,
+    using_threads,
+)
 
 ERROR_POLICIES = ("raise", "report")
 PROGRESS_MIN_PAIRS = 256
@@ -66,29 +75,45 @@ class Predictor:
         cache_images: encode each distinct image once per :meth:`predict` call, however many
             questions ask about it. ``False`` treats every pair on its own (it loads and encodes
             its image itself): the behaviour without the cache, for benchmarks.
+        threads: torch's CPU threads during :meth:`predict` (restored after it); ``None`` leaves
+            torch's setting. The default, 1, stays fast when other processes share the cores
+            (:mod:`vlfuse.runtime`).
 
     Example:
         >>> predictor = Predictor.from_pretrained("runs/easy_vqa/model")
-        >>> predictor.predict(["a.png", "a.png"], ["what shape is it?", "what color is it?"], top_k=3)
+        >>> predictor.predict(["a.png", "a.png"], ["what shape is in the image?", "what color is the shape?"], top_k=3)
     """
 
     def __init__(
-        self, model: VLFuseModel, *, device: str | torch.device = "cpu", batch_size: int = 64, cache_images: bool = True
+        self,
+        model: VLFuseModel,
+        *,
+        device: str | torch.device = DEFAULT_DEVICE,
+        batch_size: int = 64,
+        cache_images: bool = True,
+        threads: int | None = DEFAULT_THREADS,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        check_threads(threads, "threads")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.batch_size = batch_size
         self.cache_images = cache_images
+        self.threads = threads
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, device: str | torch.device = "cpu", batch_size: int = 64, cache_images: bool = True
+        cls,
+        directory: str | Path,
+        device: str | torch.device = DEFAULT_DEVICE,
+        batch_size: int = 64,
+        cache_images: bool = True,
+        threads: int | None = DEFAULT_THREADS,
     ) -> "Predictor":
         """Load a model saved by :meth:`VLFuseModel.save_pretrained` (its errors name what is wrong)."""
         model = VLFuseModel.from_pretrained(directory, map_location=device)
-        return cls(model, device=device, batch_size=batch_size, cache_images=cache_images)
+        return cls(model, device=device, batch_size=batch_size, cache_images=cache_images, threads=threads)
 
     @property
     def answers(self) -> list[str]:
@@ -135,10 +160,17 @@ class Predictor:
             :class:`PredictWarning`), ``attention_maps`` (the files written) when asked;
             or ``error`` (and no answer) for a bad pair with ``errors="report"``.
         """
-        names = [f"row {i}" for i in range(len(questions))] if names is None else list(names)
         layers = self._check_arguments(
             images, questions, names, top_k, errors, attention_maps, attention_layers, attention_token
         )
+        names = [f"row {i}" for i in range(len(questions))] if names is None else list(names)
+        with using_threads(self.threads):
+            return self._predict(images, questions, names, top_k, errors, attention_maps, layers, attention_token, progress)
+
+    def _predict(
+        self, images, questions, names, top_k, errors, attention_maps, layers, attention_token, progress
+    ) -> list[dict]:
+        """:meth:`predict` on checked arguments."""
         pairs = self._prepare(images, questions, names, attention_token)
         self._raise_or_warn(pairs, raise_errors=errors == "raise")
         writer = None
@@ -165,10 +197,12 @@ class Predictor:
         """Validate the call (not the pairs); return the fusion layers to draw."""
         if isinstance(questions, str) or isinstance(images, (str, os.PathLike, Image.Image)):
             raise ValueError("images and questions must be sequences (one image per question), not a single item")
-        if len(images) != len(questions) or len(names) != len(questions):
+        if names is None and len(images) != len(questions):
+            raise ValueError(f"need one image per question: got {len(images)} images and {len(questions)} questions")
+        if names is not None and not len(images) == len(questions) == len(names):
             raise ValueError(
-                f"need one image and one name per question: {len(images)} images, {len(questions)} questions, "
-                f"{len(names)} names"
+                f"need one image and one name per question: got {len(images)} images, {len(questions)} questions "
+                f"and {len(names)} names"
             )
         if not 1 <= top_k <= len(self.answers):
             raise ValueError(f"top_k must be in [1, {len(self.answers)}] (the number of answers), got {top_k}")
@@ -442,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Answer questions about images with a saved vlfuse model.",
         epilog="examples:\n"
         "  vlfuse predict --model runs/easy_vqa/model --image shape.png --question 'what shape is it?'\n"
-        "  vlfuse predict --model runs/easy_vqa/model --input pairs.jsonl --output answers.jsonl --top-k 3",
+        "  vlfuse predict --model runs/easy_vqa/model --input pairs.jsonl --output answers.jsonl --top-k 3\n"
+        "  vlfuse predict --model runs/easy_vqa/model --input pairs.jsonl > answers.jsonl",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="model directory (written by save_pretrained or the fit export)")
@@ -452,10 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
     many = parser.add_argument_group("many pairs")
     many.add_argument("--input", type=Path, help="JSONL file, one {\"image\": PATH, \"question\": TEXT} per line; "
                       "relative paths are relative to this file")
-    many.add_argument("--output", type=Path, help="JSONL file to write, one line per input line, in order")
+    many.add_argument("--output", type=Path,
+                      help="JSONL file to write, one line per input line, in order (default: standard output)")
     parser.add_argument("--top-k", type=int, default=1, metavar="K", help="also give the K best answers")
     parser.add_argument("--batch-size", type=int, default=64, help="pairs per forward pass (default 64)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_device_argument(parser)
+    add_threads_argument(parser)
     maps = parser.add_argument_group("attention maps")
     maps.add_argument("--attention-maps", type=Path, metavar="OUT_DIR", help="write attention maps of every pair here")
     maps.add_argument(
@@ -471,7 +508,7 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     one_pair = _mode(parser, args) == "one pair"
-    predictor = Predictor.from_pretrained(args.model, device=args.device, batch_size=args.batch_size)
+    predictor = Predictor.from_pretrained(args.model, device=args.device, batch_size=args.batch_size, threads=args.threads)
     options = {
         "top_k": args.top_k,
         "errors": "report",
@@ -491,9 +528,9 @@ def _mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     one, many = [args.image, args.question], [args.input, args.output]
     if all(v is not None for v in one) and all(v is None for v in many):
         return "one pair"
-    if all(v is not None for v in many) and all(v is None for v in one):
+    if args.input is not None and all(v is None for v in one):
         return "file"
-    parser.error("give either --image and --question, or --input and --output")
+    parser.error("give either --image and --question, or --input (and optionally --output)")
 
 
 def _predict_one(predictor: Predictor, image: str, question: str, options: dict) -> int:
@@ -508,10 +545,13 @@ def _predict_one(predictor: Predictor, image: str, question: str, options: dict)
         print(f"top {len(result['top_k'])}:")
         for entry in result["top_k"]:
             print(f"  {entry['answer']:<{width}}  {entry['score']:.4f}")
+    if "attention_maps" in result:
+        print(f"attention maps: {' '.join(result['attention_maps']['png'])}")
     return 0
 
 
-def _predict_file(predictor: Predictor, source: Path, target: Path, options: dict) -> int:
+def _predict_file(predictor: Predictor, source: Path, target: Path | None, options: dict) -> int:
+    """Answer every line of ``source``; write JSONL to ``target``, or to standard output when ``None``."""
     rows = read_pairs(source)
     readable = [row for row in rows if row.error is None]
     results = iter(
@@ -524,8 +564,10 @@ def _predict_file(predictor: Predictor, source: Path, target: Path, options: dic
         )
     )
     failed = []
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "w", encoding="utf-8") as out:
+    if target is not None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    where = "standard output" if target is None else str(target)
+    with open(target, "w", encoding="utf-8") if target is not None else nullcontext(sys.stdout) as out:
         for row in rows:
             result = {"error": row.error} if row.error is not None else next(results)
             for message in result.get("warnings", []):
@@ -534,10 +576,12 @@ def _predict_file(predictor: Predictor, source: Path, target: Path, options: dic
                 result["error"] = f"line {row.line}: {result['error']}"
                 failed.append(row.line)
             out.write(json.dumps({"line": row.line, **row.fields, **result}) + "\n")
+    if options["attention_maps"] is not None:
+        print(f"vlfuse predict: wrote attention maps to {options['attention_maps']}", file=sys.stderr)
     if failed:
         shown = ", ".join(map(str, failed[:20])) + (", ..." if len(failed) > 20 else "")
-        summary = f"{len(failed)} of {len(rows)} rows failed (lines {shown}); see 'error' in {target}"
+        summary = f"{len(failed)} of {len(rows)} rows failed (lines {shown}); see 'error' in {where}"
         print(f"vlfuse predict: {summary}", file=sys.stderr)
         return 1
-    print(f"vlfuse predict: answered every row ({len(rows)}); wrote {target}", file=sys.stderr)
+    print(f"vlfuse predict: answered every row ({len(rows)}); wrote {where}", file=sys.stderr)
     return 0

@@ -39,6 +39,7 @@ from vlfuse.datamodules import VQADataModule
 from vlfuse.datamodules.base import SPLITS
 from vlfuse.lit import VLFuseLitModule
 from vlfuse.model import VLFuseModel
+from vlfuse.runtime import add_device_argument, add_threads_argument, lightning_accelerator, set_threads
 
 SCORES = ("weight_norm", "gradient", "ablation")
 """The :data:`~vlfuse.analysis.head_scores.HEAD_SCORES` that ``--score`` offers (weight norms per layer)."""
@@ -60,16 +61,17 @@ def lit_module_for(model: VLFuseModel, config: dict, config_path: Path, lr: floa
     return lit
 
 
-def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, accelerator: str, root: Path) -> None:
-    """Train ``lit.model`` for ``epochs`` epochs on the training split (no validation, no checkpoints).
+def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, device: str, root: Path) -> None:
+    """Train ``lit.model`` for ``epochs`` epochs on ``device`` on the training split (no validation, no checkpoints).
 
     The datamodule labels the questions with its own vocabulary, so it must be the model's answers.
     """
     lit.configure_datamodule(datamodule)  # the model's image size
+    accelerator, devices = lightning_accelerator(device)
     trainer = L.Trainer(
         max_epochs=epochs,
         accelerator=accelerator,
-        devices=1,
+        devices=devices,
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -164,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune = parser.add_argument_group("fine-tuning")
     tune.add_argument("--finetune-epochs", type=int, default=0, metavar="N", help="epochs after pruning (default 0)")
     tune.add_argument("--finetune-lr", type=float, metavar="LR", help="peak learning rate (default: the config's model.lr / 10)")
-    tune.add_argument("--accelerator", default="cpu", help="Lightning accelerator (default cpu)")
+    add_device_argument(parser, note="; fine-tuning runs there, scores and latency on the CPU")
+    add_threads_argument(parser)
     timing = parser.add_argument_group("latency (CPU, before and after side by side)")
     timing.add_argument("--latency-questions", type=int, default=64, metavar="N", help="questions per forward pass (default 64)")
     timing.add_argument("--latency-repeats", type=int, default=20, metavar="N", help="timed repetitions (default 20)")
@@ -174,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """``vlfuse prune``: see :func:`build_parser`."""
     args, overrides = parse_with_data_overrides(build_parser(), argv)
+    set_threads(args.threads)
     if args.out.resolve() == args.model.resolve():
         raise ValueError(f"--out must differ from --model ({args.model}): the pruned model would overwrite it")
     if args.finetune_epochs < 0:
@@ -206,7 +210,7 @@ def main(argv: list[str]) -> int:
     if args.finetune_epochs:
         lit = lit_module_for(pruned, config, args.config, args.finetune_lr)
         L.seed_everything(config.get("seed_everything", 0), verbose=False)
-        finetune(lit, datamodule, args.finetune_epochs, args.accelerator, args.out)
+        finetune(lit, datamodule, args.finetune_epochs, args.device, args.out)
         accuracies[f"then fine-tuned {args.finetune_epochs} epoch(s)"] = evaluate(pruned, eval_batches)
     questions = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in eval_batches)
     rows = [

@@ -13,13 +13,13 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-import torch
 
 from vlfuse.analysis.collect import collect_head_stats
 from vlfuse.analysis.data import add_data_arguments, build_datamodule, load_batches, parse_with_data_overrides
 from vlfuse.analysis.head_scores import evaluate, original_head_count, pruning_curve, score_heads
 from vlfuse.analysis.report import write_report
 from vlfuse.model import VLFuseModel
+from vlfuse.runtime import add_device_argument, add_threads_argument, set_threads
 
 DEFAULT_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(10))
 REPORTED_SCORES = {"weight norm": "weight_norm", "weight norm s_i": "weight_norm_mean", "gradient": "gradient", "ablation": "ablation"}
@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
         "--fractions", type=float, nargs="+", default=list(DEFAULT_FRACTIONS),
         help="fractions of heads to prune for the accuracy curves (default: 0 0.1 ... 0.9)",
     )
-    parser.add_argument("--device", default=None, help="e.g. cpu or cuda (default: cuda when available)")
+    add_device_argument(parser)
+    add_threads_argument(parser)
     add_data_arguments(parser, split_help="the split to analyse (default: val)")
     return parser
 
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_with_data_overrides(parser, argv)
     if any(not 0.0 <= f < 1.0 for f in args.fractions):
         parser.error(f"--fractions must be in [0, 1), got {args.fractions}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    set_threads(args.threads)
+    device = args.device
     datamodule = build_datamodule(args.config, overrides)
     model = VLFuseModel.from_pretrained(args.model, map_location=device)
     model.require_fusion_heads("analyse", name=str(args.model))

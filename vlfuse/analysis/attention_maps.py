@@ -12,11 +12,14 @@ import math
 from pathlib import Path
 from typing import Sequence
 
+import matplotlib
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
+from vlfuse.analysis.figures import new_figure
 from vlfuse.readouts import masked_mean
 
 
@@ -51,6 +54,59 @@ def split_prefix(
     return maps, prefix_mass
 
 
+HEAT_COLOURS = "inferno"
+MAX_OPACITY = 0.85
+"""Opacity of the heat map where the attention is highest; it falls linearly to 0 (the bare image) at 0."""
+
+
+def heat_overlay(patch_map: np.ndarray, vmax: float) -> np.ndarray:
+    """RGBA ``(rows, cols, 4)`` colours of a ``(rows, cols)`` map on the scale ``[0, vmax]``.
+
+    The colour encodes the weight, and so does the opacity: a patch without attention is fully
+    transparent, so the image shows through unchanged instead of under a dark veil.
+    """
+    level = np.clip(np.asarray(patch_map, dtype=float) / vmax, 0.0, 1.0)
+    rgba = matplotlib.colormaps[HEAT_COLOURS](level)
+    rgba[..., 3] = MAX_OPACITY * level
+    return rgba
+
+
+def attention_figure(
+    image: np.ndarray,
+    weights: torch.Tensor,
+    grid: tuple[int, int],
+    num_prefix_tokens: int,
+    *,
+    head_ids: Sequence[int] | None = None,
+    title: str = "",
+    columns: int = 6,
+) -> Figure:
+    """The figure that :func:`draw_attention_map` saves: a panel per head, the head average, one colour bar."""
+    weights = torch.as_tensor(weights, dtype=torch.float32)
+    labels = [f"head {h}" for h in (range(len(weights)) if head_ids is None else head_ids)] + ["mean of heads"]
+    panels = torch.cat([weights, weights.mean(0, keepdim=True)])  # (H + 1, Li)
+    maps, prefix_mass = split_prefix(panels, grid, num_prefix_tokens)  # (H + 1, rows, cols), (H + 1,)
+    cols = min(columns, len(labels))
+    rows = math.ceil(len(labels) / cols)
+    figure = new_figure(1.8 * cols + 0.8, 1.9 * rows + 0.8)
+    extent = (0, grid[1], grid[0], 0)  # image and heat map share patch coordinates
+    vmax = max(float(maps.max()), 1e-12)
+    axes = []
+    for i, (label, patch_map, prefix) in enumerate(zip(labels, maps, prefix_mass)):
+        ax = figure.add_subplot(rows, cols, i + 1)
+        ax.imshow(image, extent=extent)
+        ax.imshow(heat_overlay(patch_map.numpy(), vmax), extent=extent, interpolation="nearest")
+        ax.set_title(f"{label}\nprefix tokens {float(prefix):.0%}", fontsize=7)
+        ax.set_axis_off()
+        axes.append(ax)
+    scale = ScalarMappable(Normalize(0.0, vmax), matplotlib.colormaps[HEAT_COLOURS])
+    bar = figure.colorbar(scale, ax=axes, fraction=0.02, pad=0.02)
+    bar.set_label("attention to the patch (one scale for all panels)", fontsize=7)
+    bar.ax.tick_params(labelsize=6)
+    figure.suptitle(title, fontsize=8)
+    return figure
+
+
 def draw_attention_map(
     image: np.ndarray,
     weights: torch.Tensor,
@@ -64,9 +120,10 @@ def draw_attention_map(
 ) -> int:
     """Save a figure with one panel per head and one for the head average; return the panel count.
 
-    Each panel draws the attention to the patch tokens over the image on the patch grid, with one
-    colour scale for all panels so that heads can be compared; its title gives the share of the
-    attention that went to the prefix tokens instead (not drawn, since they have no position).
+    Each panel draws the attention to the patch tokens over the image on the patch grid (see
+    :func:`heat_overlay`), with one colour scale for all panels, shown by the colour bar, so that
+    heads can be compared; its title gives the share of the attention that went to the prefix
+    tokens instead (not drawn, since they have no position).
 
     Args:
         image: ``(S, S, 3)`` floats in [0, 1]: the image as the model saw it (after preprocessing).
@@ -79,25 +136,10 @@ def draw_attention_map(
         columns: panels per row.
 
     Returns:
-        The number of panels (axes) drawn: ``H + 1``.
+        The number of panels drawn: ``H + 1`` (the colour bar not counted).
     """
-    weights = torch.as_tensor(weights, dtype=torch.float32)
-    labels = [f"head {h}" for h in (range(len(weights)) if head_ids is None else head_ids)] + ["mean of heads"]
-    panels = torch.cat([weights, weights.mean(0, keepdim=True)])  # (H + 1, Li)
-    maps, prefix_mass = split_prefix(panels, grid, num_prefix_tokens)  # (H + 1, rows, cols), (H + 1,)
-    cols = min(columns, len(labels))
-    rows = math.ceil(len(labels) / cols)
-    figure = Figure(figsize=(1.8 * cols, 1.9 * rows + 0.8))
-    FigureCanvasAgg(figure)
-    extent = (0, grid[1], grid[0], 0)  # image and heat map share patch coordinates
-    vmax = max(float(maps.max()), 1e-12)
-    for i, (label, patch_map, prefix) in enumerate(zip(labels, maps, prefix_mass)):
-        ax = figure.add_subplot(rows, cols, i + 1)
-        ax.imshow(image, extent=extent)
-        heat = dict(cmap="inferno", alpha=0.6, vmin=0.0, vmax=vmax, interpolation="nearest")
-        ax.imshow(patch_map.numpy(), extent=extent, **heat)
-        ax.set_title(f"{label}\nprefix tokens {float(prefix):.0%}", fontsize=7)
-        ax.set_axis_off()
-    figure.suptitle(f"{title}\ncolour: attention to each patch (one scale, max {vmax:.3f})", fontsize=8)
+    figure = attention_figure(
+        image, weights, grid, num_prefix_tokens, head_ids=head_ids, title=title, columns=columns
+    )
     figure.savefig(path, dpi=80)
-    return len(figure.axes)
+    return len(weights) + 1

@@ -1,7 +1,7 @@
 """PNG figures of the head analysis: layer x head heat maps, head agreement, pruning curves.
 
-Drawn on matplotlib's Agg canvas directly (as :mod:`vlfuse.analysis.attention_maps` does), so no
-global backend is changed.
+Drawn on matplotlib's Agg canvas directly (:func:`new_figure`, which
+:mod:`vlfuse.analysis.attention_maps` uses too), so no global backend is changed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 
-def _figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
+    """A figure of ``width`` x ``height`` inches on its own Agg canvas."""
     figure = Figure(figsize=(width, height))
     FigureCanvasAgg(figure)
     return figure
@@ -27,7 +28,7 @@ def draw_layer_head_maps(panels: Mapping[str, np.ndarray], path: str | Path, *, 
     Each cell is annotated with its value when the grid is small enough to read.
     """
     layers, heads = next(iter(panels.values())).shape
-    figure = _figure(0.45 * heads + 2.0, len(panels) * (0.45 * layers + 0.9) + 0.6)
+    figure = new_figure(0.45 * heads + 2.0, len(panels) * (0.45 * layers + 0.9) + 0.6)
     annotate = heads * layers <= 16 * 6
     for i, (name, values) in enumerate(panels.items()):
         ax = figure.add_subplot(len(panels), 1, i + 1)
@@ -51,7 +52,7 @@ def draw_layer_head_maps(panels: Mapping[str, np.ndarray], path: str | Path, *, 
 
 def draw_agreement(matrices: Sequence[np.ndarray], head_ids: Sequence[Sequence[int]], path: str | Path) -> None:
     """The ``(H, H)`` mean pairwise agreement of each layer's heads, one panel per layer."""
-    figure = _figure(3.6 * len(matrices), 3.4)
+    figure = new_figure(3.6 * len(matrices), 3.4)
     for layer, (matrix, ids) in enumerate(zip(matrices, head_ids)):
         ax = figure.add_subplot(1, len(matrices), layer + 1)
         image = ax.imshow(np.asarray(matrix), cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest")
@@ -65,7 +66,7 @@ def draw_agreement(matrices: Sequence[np.ndarray], head_ids: Sequence[Sequence[i
 
 def draw_pruning_curves(curves: Mapping[str, Sequence[tuple[float, float]]], path: str | Path) -> None:
     """Accuracy against the fraction of heads pruned, one line per score."""
-    figure = _figure(5.0, 3.4)
+    figure = new_figure(5.0, 3.4)
     ax = figure.add_subplot(1, 1, 1)
     for name, points in curves.items():
         fractions, accuracies = zip(*points)

@@ -25,6 +25,8 @@ def load_image(source: ImageSource) -> Image.Image:
     if isinstance(source, Image.Image):
         return to_rgb(source)
     path = Path(source)
+    if path.is_dir():
+        raise ImageLoadError(f"{path} is a directory, not an image file")
     if not path.is_file():
         raise ImageLoadError(f"image file not found: {path}")
     try:
