@@ -30,8 +30,8 @@ def tiny_config(**overrides) -> VLFuseConfig:
     return VLFuseConfig(**fields)
 
 
-def tiny_cli_args(root: Path, limit_images: int = 8, *, map_program: bool = False) -> list[str]:
-    """Command-line overrides that shrink any config to a tiny model on a few images.
+def tiny_overrides(limit_images: int = 8, *, map_program: bool = False) -> list[str]:
+    """Command-line overrides that shrink any config to a tiny model on a few images, quietly.
 
     ``map_program``: the config's readout is ``map_program``, which needs text and fusion depth 0.
     """
@@ -50,10 +50,17 @@ def tiny_cli_args(root: Path, limit_images: int = 8, *, map_program: bool = Fals
         f"--data.init_args.limit_images={limit_images}",
         "--data.init_args.batch_size=4",
         "--data.init_args.num_workers=0",
-        f"--trainer.default_root_dir={root}",
-        "--trainer.logger=false",
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
+    ]
+
+
+def tiny_cli_args(root: Path, limit_images: int = 8, *, map_program: bool = False) -> list[str]:
+    """:func:`tiny_overrides`, writing everything under ``root`` and logging nothing."""
+    return [
+        *tiny_overrides(limit_images, map_program=map_program),
+        f"--trainer.default_root_dir={root}",
+        "--trainer.logger=false",
         f"--checkpoint.dirpath={root / 'checkpoints'}",
         f"--export.dirpath={root / 'model'}",
     ]
