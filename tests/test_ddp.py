@@ -16,12 +16,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from vlfuse.analysis.data import build_datamodule, load_batches
 from vlfuse.analysis.head_scores import evaluate
-from vlfuse.cli import main
+from vlfuse.cli import main, wait_for_other_ranks
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.model import VLFuseModel
 
@@ -76,6 +77,30 @@ def saved_models(root: Path) -> list[Path]:
     return sorted(weights.parent for weights in root.rglob("model.safetensors"))
 
 
+def datamodule_of_rank(rank: int, world_size: int = 2):
+    """The config's datamodule as a rank of a ``world_size``-process trainer sees it."""
+    datamodule = build_datamodule(CONFIG, [f"--data.init_args.limit_images={IMAGES}", "--data.init_args.image_size=32"])
+    datamodule.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world_size, "rank": rank})
+    return datamodule
+
+
+def test_distributed_evaluation_loaders_share_out_each_image_once():
+    for split in ("val", "test"):
+        shares = [list(getattr(datamodule_of_rank(rank), f"{split}_dataloader")().sampler) for rank in (0, 1)]
+        assert sorted(shares[0] + shares[1]) == list(range(IMAGES)), split
+
+
+def test_more_processes_than_evaluation_images_is_a_one_line_error():
+    with pytest.raises(ValueError, match=f"the test split has {IMAGES} images, fewer than the 10 processes"):
+        datamodule_of_rank(0, world_size=10).test_dataloader()
+
+
+def test_vlfuse_exit_status_is_that_of_a_failed_rank_it_started():
+    ranks = [subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"]) for code in (0, 3)]
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=ranks)))
+    assert wait_for_other_ranks(trainer) == 3
+
+
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The README's command with ``test_after_fit`` at the config's default (true)."""
@@ -91,7 +116,8 @@ def test_readme_ddp_fit_tests_once_and_exports_one_model_that_predict_loads(fitt
     assert saved_models(cwd) == [model_dir]
     assert "; model saved to runs/easy_vqa/model" in result.stdout
     record = build_datamodule(CONFIG, ["--data.init_args.limit_images=1"]).records("test")[0]
-    assert main(["predict", "--model", str(model_dir), "--image", str(record.image), "--question", record.questions[0]]) == 0
+    question = ["--image", str(record.image), "--question", record.questions[0]]
+    assert main(["predict", "--model", str(model_dir), *question]) == 0
     assert capsys.readouterr().out.startswith("answer: ")
 
 

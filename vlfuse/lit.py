@@ -171,9 +171,8 @@ class VLFuseLitModule(L.LightningModule):
             scored = (labels != IGNORE_INDEX).sum().float()
             self.log(f"{stage}/questions", scored, reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
         if output.head_diversity is not None:
-            self.log(
-                f"{stage}/head_diversity", output.head_diversity, batch_size=n, on_step=True, on_epoch=True, sync_dist=True
-            )
+            diversity = output.head_diversity
+            self.log(f"{stage}/head_diversity", diversity, batch_size=n, on_step=True, on_epoch=True, sync_dist=True)
             loss = loss + self.model.config.diversity_weight * output.head_diversity
         return loss
 
