@@ -63,14 +63,33 @@ def printed_summaries(stdout: str) -> list[tuple[str, int]]:
     return [(accuracy, int(questions)) for accuracy, questions in SUMMARY.findall(stdout)]
 
 
-def one_process_summary(model_dir: Path) -> tuple[str, int]:
-    """The exported model evaluated in this process on the same test images, without Lightning."""
+def config_datamodule(*overrides: str):
+    """The config's datamodule on the same images as the runs."""
+    return build_datamodule(CONFIG, [f"--data.init_args.limit_images={IMAGES}", *overrides])
+
+
+def one_process_evaluation(model_dir: Path, split: str) -> tuple[float, int]:
+    """The saved model's accuracy on ``split``, and the questions scored, in this process without
+    Lightning."""
     model = VLFuseModel.from_pretrained(model_dir)
-    datamodule = build_datamodule(CONFIG, [f"--data.init_args.limit_images={IMAGES}"])
-    batches = load_batches(datamodule, model, "test")
+    datamodule = config_datamodule()
+    batches = load_batches(datamodule, model, split)
     questions = sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in batches)
-    assert questions == sum(len(record.questions) for record in datamodule.records("test"))
-    return f"{evaluate(model, batches):.4f}", questions
+    assert questions == sum(len(record.questions) for record in datamodule.records(split))
+    return evaluate(model, batches), questions
+
+
+def one_process_summary(model_dir: Path) -> tuple[str, int]:
+    """What the summary line says of the test split when one process evaluates the saved model."""
+    accuracy, questions = one_process_evaluation(model_dir, "test")
+    return f"{accuracy:.4f}", questions
+
+
+def logged_metric(cwd: Path, name: str) -> float:
+    """The one value of ``name`` in the CSV log that the run in ``cwd`` wrote."""
+    [metrics_file] = (cwd / "runs" / "easy_vqa").rglob("metrics.csv")
+    [value] = [row[name] for row in csv.DictReader(metrics_file.open()) if row.get(name)]
+    return float(value)
 
 
 def saved_models(root: Path) -> list[Path]:
@@ -79,7 +98,7 @@ def saved_models(root: Path) -> list[Path]:
 
 def datamodule_of_rank(rank: int, world_size: int = 2):
     """The config's datamodule as a rank of a ``world_size``-process trainer sees it."""
-    datamodule = build_datamodule(CONFIG, [f"--data.init_args.limit_images={IMAGES}", "--data.init_args.image_size=32"])
+    datamodule = config_datamodule("--data.init_args.image_size=32")
     datamodule.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": world_size, "rank": rank})
     return datamodule
 
@@ -115,7 +134,7 @@ def test_readme_ddp_fit_tests_once_and_exports_one_model_that_predict_loads(fitt
     model_dir = cwd / "runs" / "easy_vqa" / "model"
     assert saved_models(cwd) == [model_dir]
     assert "; model saved to runs/easy_vqa/model" in result.stdout
-    record = build_datamodule(CONFIG, ["--data.init_args.limit_images=1"]).records("test")[0]
+    record = config_datamodule().records("test")[0]
     question = ["--image", str(record.image), "--question", record.questions[0]]
     assert main(["predict", "--model", str(model_dir), *question]) == 0
     assert capsys.readouterr().out.startswith("answer: ")
@@ -129,7 +148,12 @@ def test_ddp_epoch_metrics_are_synchronised_and_evaluation_repeats_no_image(fitt
 
 def test_two_process_test_accuracy_equals_the_one_process_evaluation_of_the_exported_model(fitted):
     cwd, result = fitted
-    assert printed_summaries(result.stdout) == [one_process_summary(cwd / "runs" / "easy_vqa" / "model")]
+    model_dir = cwd / "runs" / "easy_vqa" / "model"
+    assert printed_summaries(result.stdout) == [one_process_summary(model_dir)]
+    # The printed line has 4 decimals; the CSV log has the whole value.
+    accuracy, questions = one_process_evaluation(model_dir, "test")
+    assert logged_metric(cwd, "test/acc") == pytest.approx(accuracy, abs=1e-6)
+    assert logged_metric(cwd, "test/questions") == questions
 
 
 def test_readme_ddp_fit_without_test_after_fit_exits_0_and_exports_the_model(tmp_path):
@@ -149,10 +173,6 @@ def test_ddp_test_of_a_saved_model_prints_the_one_process_accuracy(fitted, tmp_p
 def test_ddp_validate_of_a_saved_model_logs_the_one_process_accuracy(fitted, tmp_path):
     model_dir = fitted[0] / "runs" / "easy_vqa" / "model"
     run_vlfuse(tmp_path, "validate", "--model.pretrained", str(model_dir))
-    [metrics_file] = (tmp_path / "runs" / "easy_vqa").rglob("metrics.csv")
-    [logged] = list(csv.DictReader(metrics_file.open()))
-    model = VLFuseModel.from_pretrained(model_dir)
-    datamodule = build_datamodule(CONFIG, [f"--data.init_args.limit_images={IMAGES}"])
-    batches = load_batches(datamodule, model, "val")
-    assert float(logged["val/questions"]) == sum(len(record.questions) for record in datamodule.records("val"))
-    assert float(logged["val/acc"]) == pytest.approx(evaluate(model, batches), abs=1e-6)
+    accuracy, questions = one_process_evaluation(model_dir, "val")
+    assert logged_metric(tmp_path, "val/acc") == pytest.approx(accuracy, abs=1e-6)
+    assert logged_metric(tmp_path, "val/questions") == questions
