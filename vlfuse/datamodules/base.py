@@ -6,7 +6,8 @@ from functools import cached_property
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader, Sampler
 
 from vlfuse.data import AnswerVocab, GroupedVQADataset, ImageQuestions, collate_grouped
 
@@ -86,12 +87,28 @@ class VQADataModule(L.LightningDataModule):
             raise ValueError("image_size is not set: give data.image_size or let the model set it")
         return GroupedVQADataset(self.records(split), self.vocab, self.image_size)
 
+    def _eval_sampler(self, split: str, dataset: GroupedVQADataset) -> Sampler | None:
+        """Under a multi-process trainer, each rank's share of an evaluation split: every image
+        once, none repeated (Lightning's DistributedSampler would repeat images to even the ranks
+        out, and the metrics would count them twice); ranks may get one image more than others."""
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if not kwargs or kwargs["num_replicas"] < 2:
+            return None
+        if len(dataset) < kwargs["num_replicas"]:
+            raise ValueError(
+                f"the {split} split has {len(dataset)} images, fewer than the {kwargs['num_replicas']} processes "
+                "(trainer.devices x trainer.num_nodes) that evaluate it"
+            )
+        return UnrepeatedDistributedSampler(dataset, shuffle=False, **kwargs)
+
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        dataset = self.dataset(split)
         return DataLoader(
-            self.dataset(split),
+            dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
+            sampler=None if shuffle else self._eval_sampler(split, dataset),
             generator=generator,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
