@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 
 import lightning as L
-import torch
 from torch.utils.data import DataLoader
 
 from vlfuse.data import AnswerVocab, GroupedVQADataset, ImageQuestions, collate_grouped
+from vlfuse.data.resumable import EpochShuffleSampler, ResumableDataLoader
 
 SPLITS = ("train", "val", "test")
 
@@ -17,14 +18,19 @@ class VQADataModule(L.LightningDataModule):
     """Base class: a subclass says how to load each split; this class batches them.
 
     A batch holds ``batch_size`` images with all their questions (see
-    :func:`vlfuse.data.collate_grouped`), so each image is encoded once per step.
+    :func:`vlfuse.data.collate_grouped`), so each image is encoded once per step. The training
+    order of each epoch depends on the run seed and the epoch only, and the training loader's
+    place in the epoch is saved in checkpoints (:class:`vlfuse.data.resumable.ResumableDataLoader`),
+    so a resumed run sees the batches the uninterrupted run would have seen.
 
     Args:
         batch_size: images per batch (each brings all its questions).
         image_size: side the images are resized to; ``None`` takes the model's.
         num_workers: DataLoader worker processes.
         limit_images: keep only the first N images of each split (quick runs and tests).
-        seed: seed of any random split a subclass makes.
+        seed: seed of any random split a subclass makes, and of the training order when no run
+            seed is set (``seed_everything``, whose seed takes precedence, as in Lightning's own
+            DistributedSampler).
     """
 
     def __init__(
@@ -86,23 +92,28 @@ class VQADataModule(L.LightningDataModule):
             raise ValueError("image_size is not set: give data.image_size or let the model set it")
         return GroupedVQADataset(self.records(split), self.vocab, self.image_size)
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
-            self.dataset(split),
+    def _loader_options(self) -> dict:
+        return dict(
             batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=generator,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             collate_fn=collate_grouped,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+    def _loader(self, split: str) -> DataLoader:
+        return DataLoader(self.dataset(split), shuffle=False, **self._loader_options())
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        """The shuffled training batches: this rank's share of an order fixed by the seed and the epoch."""
+        dataset = self.dataset("train")
+        seed = int(os.environ.get("PL_GLOBAL_SEED", self.seed))  # set by seed_everything
+        trainer = self.trainer
+        replicas = dict(num_replicas=trainer.world_size, rank=trainer.global_rank) if trainer is not None else {}
+        sampler = EpochShuffleSampler(dataset, seed=seed, **replicas)
+        return ResumableDataLoader(dataset, sampler, **self._loader_options())
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
+        return self._loader("val")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+        return self._loader("test")
