@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import Dataset
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import Dataset, SequentialSampler
 
 from vlfuse.cli import main
 from vlfuse.data.resumable import EpochShuffleSampler, ResumableDataLoader
@@ -168,6 +169,13 @@ def test_state_saved_at_the_end_of_an_epoch_starts_the_next_epoch_at_its_beginni
     reference = _loader()
     reference.sampler.set_epoch(1)
     assert [b.tolist() for b in restored] == [b.tolist() for b in reference]
+
+
+def test_loader_whose_sampler_lightning_replaced_iterates_in_that_samplers_order():
+    # Lightning's overfit_batches rebuilds the loader with a SequentialSampler.
+    replaced = _update_dataloader(_loader(), SequentialSampler(Numbers(14)))
+    assert [b.tolist() for b in replaced] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    assert replaced.state_dict() == {}
 
 
 # ---------------------------------------------------------------------------------- whole runs

@@ -54,6 +54,9 @@ class ResumableDataLoader(DataLoader):
     generator seeded with ``seed + epoch`` at each pass, so random augmentations in workers
     depend on the epoch, not on how many passes this process has made.
 
+    Where Lightning replaces the sampler (``overfit_batches`` puts a SequentialSampler in), the
+    loader is a plain DataLoader with an empty state.
+
     Args:
         dataset: the training dataset.
         sampler: its sampler.
@@ -66,10 +69,18 @@ class ResumableDataLoader(DataLoader):
         self._batches_handed_out = 0
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches) restored by load_state_dict
 
+    @property
+    def _resumable(self) -> bool:
+        return isinstance(self.sampler, EpochShuffleSampler)
+
     def state_dict(self) -> dict[str, int]:
+        if not self._resumable:
+            return {}
         return {"seed": self.sampler.seed, "epoch": self.sampler.epoch, "batches": self._batches_handed_out}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if not (state and self._resumable):
+            return
         self.sampler.seed = state["seed"]
         self.sampler.set_epoch(state["epoch"])
         self._resume_at = (state["epoch"], state["batches"])
@@ -78,6 +89,9 @@ class ResumableDataLoader(DataLoader):
         return self._batches()
 
     def _batches(self) -> Iterator:
+        if not self._resumable:
+            yield from super().__iter__()
+            return
         epoch = self.sampler.epoch
         skip = self._resume_at[1] if self._resume_at is not None and self._resume_at[0] == epoch else 0
         self._resume_at = None
