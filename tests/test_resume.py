@@ -136,13 +136,17 @@ def test_ranks_share_an_epoch_without_overlap():
     assert sorted(shares[0] + shares[1]) == list(range(20))
 
 
-def _loader(seed: int = 5) -> ResumableDataLoader:
+def _loader(seed: int = 5, num_workers: int = 0) -> ResumableDataLoader:
     dataset = Numbers(14)
-    return ResumableDataLoader(dataset, EpochShuffleSampler(dataset, seed=seed), batch_size=4)
+    sampler = EpochShuffleSampler(dataset, seed=seed)
+    return ResumableDataLoader(
+        dataset, sampler, batch_size=4, num_workers=num_workers, persistent_workers=num_workers > 0
+    )
 
 
-def test_restored_loader_hands_out_the_rest_of_the_epoch():
-    first = _loader()
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_restored_loader_hands_out_the_rest_of_the_epoch(num_workers):
+    first = _loader(num_workers=num_workers)
     first.sampler.set_epoch(2)
     whole_epoch = [batch.tolist() for batch in first]
     batches = iter(first)
@@ -151,7 +155,7 @@ def test_restored_loader_hands_out_the_rest_of_the_epoch():
     state = first.state_dict()
     assert state == {"seed": 5, "epoch": 2, "batches": 2}
 
-    restored = _loader(seed=99)  # the seed comes back from the state too
+    restored = _loader(seed=99, num_workers=num_workers)  # the seed comes back from the state too
     restored.load_state_dict(state)
     assert [batch.tolist() for batch in restored] == whole_epoch[2:]
     assert len(restored) == 4  # Lightning counts the epoch's batches from its own progress
