@@ -9,12 +9,14 @@ from typing import Any, Callable, Mapping
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vlfuse.analysis.analyze import main as analyze_main
 from vlfuse.datamodules import VQADataModule
 from vlfuse.lit import ExportBestModel, VLFuseLitModule
 from vlfuse.predict import main as predict_main
 from vlfuse.prune import main as prune_main
+from vlfuse.resume import SIGTERM_EXIT_CODE, ResumeTraining, default_checkpoint_dir
 
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
 
@@ -28,9 +30,15 @@ class VLFuseCLI(LightningCLI):
             {"checkpoint.monitor": "val/acc", "checkpoint.mode": "max", "checkpoint.save_last": True}
         )
         parser.add_lightning_class_args(ExportBestModel, "export")
+        parser.add_lightning_class_args(ResumeTraining, "resume")
         parser.add_argument(
             "--test_after_fit", type=bool, default=False, help="after fit, test the best checkpoint on the test split"
         )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        if config.checkpoint.dirpath is None:  # not the logger's new version folder: --ckpt_path last finds it
+            config.checkpoint.dirpath = default_checkpoint_dir(config.trainer.default_root_dir)
 
     def after_fit(self) -> None:
         """With ``test_after_fit``, test the best checkpoint and print one summary line.
@@ -94,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         if args and args[0] in TOOLS:
             return TOOLS[args[0]](args[1:]) or 0
         cli = run_lightning(argv)
+    except SIGTERMException:
+        return SIGTERM_EXIT_CODE  # a checkpoint was saved (ResumeTraining)
     except USER_ERRORS as err:
         if os.environ.get("VLFUSE_DEBUG"):
             raise
