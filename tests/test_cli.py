@@ -1,6 +1,3 @@
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -91,20 +88,6 @@ def test_bad_configs_give_one_line_errors(tmp_path, capsys, extra, message):
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
-
-
-def test_ddp_two_cpu_processes(tmp_path):
-    """The same config runs on 2 processes (gloo) with Lightning's ddp strategy."""
-    args = [
-        sys.executable, "-m", "vlfuse.cli", "fit", "--config", str(REPO / "configs" / "easy_vqa.yaml"),
-        *tiny_cli_args(tmp_path, limit_images=16), "--trainer.max_epochs=1", "--test_after_fit=false",
-        "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr + result.stdout
-    assert (tmp_path / "model" / "model.safetensors").exists()
 
 
 def test_test_runs_a_saved_pruned_model_given_by_directory(tmp_path):

@@ -150,7 +150,13 @@ class VLFuseLitModule(L.LightningModule):
 
     def _step(self, batch: dict, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:
         """The cross-entropy (logged as ``{stage}/loss``), plus the weighted head-diversity penalty
-        (logged as ``train/head_diversity``) when the model returns one (training, weight > 0)."""
+        (logged as ``train/head_diversity``) when the model returns one (training, weight > 0).
+
+        Under DDP every epoch value is reduced over the ranks: ``{stage}/acc`` by torchmetrics
+        (summed counts), the means by Lightning (``sync_dist``: summed ``value * batch_size`` over
+        summed batch sizes), and ``val/questions`` / ``test/questions`` (the questions scored, a
+        sum) show that no question was counted twice.
+        """
         output = self._model_output(batch)
         logits, labels = output.logits, batch["labels"]
         loss = F.cross_entropy(
@@ -159,10 +165,14 @@ class VLFuseLitModule(L.LightningModule):
         accuracy(logits, labels)
         n = len(labels)
         on_step = stage == "train"
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=n, on_step=on_step, on_epoch=True, sync_dist=not on_step)
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=n, on_step=on_step, on_epoch=True, sync_dist=True)
         self.log(f"{stage}/acc", accuracy, prog_bar=True, batch_size=n, on_step=False, on_epoch=True)
+        if stage != "train":
+            scored = (labels != IGNORE_INDEX).sum().float()
+            self.log(f"{stage}/questions", scored, reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
         if output.head_diversity is not None:
-            self.log(f"{stage}/head_diversity", output.head_diversity, batch_size=n, on_step=True, on_epoch=True)
+            diversity = output.head_diversity
+            self.log(f"{stage}/head_diversity", diversity, batch_size=n, on_step=True, on_epoch=True, sync_dist=True)
             loss = loss + self.model.config.diversity_weight * output.head_diversity
         return loss
 
@@ -204,6 +214,9 @@ class VLFuseLitModule(L.LightningModule):
 class ExportBestModel(Callback):
     """At the end of ``fit``, save the best checkpoint's model with ``save_pretrained``.
 
+    Under DDP every rank loads the best weights (so that what follows, e.g. a test, uses them),
+    rank 0 alone writes the directory, and every rank waits at a barrier until it is written.
+
     Args:
         dirpath: where to write the model; default ``<trainer.default_root_dir>/model`` (for
             ``configs/easy_vqa.yaml``, ``runs/easy_vqa/model``: a later run replaces it).
@@ -219,8 +232,10 @@ class ExportBestModel(Callback):
         if best:
             state = torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
             pl_module.load_state_dict(state)
+        target = Path(self.dirpath or Path(trainer.default_root_dir) / "model")
         if trainer.is_global_zero:
-            target = Path(self.dirpath or Path(trainer.default_root_dir) / "model")
-            self.exported_to = pl_module.model.save_pretrained(target)
+            pl_module.model.save_pretrained(target)
             source = f"best checkpoint {best}" if best else "final weights"
-            rank_zero_info(f"vlfuse: saved the model ({source}) to {self.exported_to}")
+            rank_zero_info(f"vlfuse: saved the model ({source}) to {target}")
+        trainer.strategy.barrier("ExportBestModel")
+        self.exported_to = target

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 
 import lightning as L
-import torch
-from torch.utils.data import DataLoader
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader, Sampler
 
 from vlfuse.data import AnswerVocab, GroupedVQADataset, ImageQuestions, collate_grouped
+from vlfuse.data.resumable import EpochShuffleSampler, ResumableDataLoader
 
 SPLITS = ("train", "val", "test")
 
@@ -17,14 +19,19 @@ class VQADataModule(L.LightningDataModule):
     """Base class: a subclass says how to load each split; this class batches them.
 
     A batch holds ``batch_size`` images with all their questions (see
-    :func:`vlfuse.data.collate_grouped`), so each image is encoded once per step.
+    :func:`vlfuse.data.collate_grouped`), so each image is encoded once per step. The training
+    order of each epoch depends on the run seed and the epoch only, and the training loader's
+    place in the epoch is saved in checkpoints (:class:`vlfuse.data.resumable.ResumableDataLoader`),
+    so a resumed run sees the batches the uninterrupted run would have seen.
 
     Args:
         batch_size: images per batch (each brings all its questions).
         image_size: side the images are resized to; ``None`` takes the model's.
         num_workers: DataLoader worker processes.
         limit_images: keep only the first N images of each split (quick runs and tests).
-        seed: seed of any random split a subclass makes.
+        seed: seed of any random split a subclass makes, and of the training order when no run
+            seed is set (``seed_everything``, whose seed takes precedence, as in Lightning's own
+            DistributedSampler).
     """
 
     def __init__(
@@ -86,23 +93,44 @@ class VQADataModule(L.LightningDataModule):
             raise ValueError("image_size is not set: give data.image_size or let the model set it")
         return GroupedVQADataset(self.records(split), self.vocab, self.image_size)
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
-            self.dataset(split),
+    def _eval_sampler(self, split: str, dataset: GroupedVQADataset) -> Sampler | None:
+        """Under a multi-process trainer, each rank's share of an evaluation split: every image
+        once, none repeated (Lightning's DistributedSampler would repeat images to even the ranks
+        out, and the metrics would count them twice); ranks may get one image more than others."""
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if not kwargs or kwargs["num_replicas"] < 2:
+            return None
+        if len(dataset) < kwargs["num_replicas"]:
+            raise ValueError(
+                f"the {split} split has {len(dataset)} images, fewer than the {kwargs['num_replicas']} processes "
+                "(trainer.devices x trainer.num_nodes) that evaluate it"
+            )
+        return UnrepeatedDistributedSampler(dataset, shuffle=False, **kwargs)
+
+    def _loader_options(self) -> dict:
+        return dict(
             batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=generator,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             collate_fn=collate_grouped,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+    def _loader(self, split: str) -> DataLoader:
+        """An evaluation split in order (this rank's share of it under DDP)."""
+        dataset = self.dataset(split)
+        return DataLoader(dataset, shuffle=False, sampler=self._eval_sampler(split, dataset), **self._loader_options())
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        """The shuffled training batches: this rank's share of an order fixed by the seed and the epoch."""
+        dataset = self.dataset("train")
+        seed = int(os.environ.get("PL_GLOBAL_SEED", self.seed))  # set by seed_everything
+        trainer = self.trainer
+        replicas = dict(num_replicas=trainer.world_size, rank=trainer.global_rank) if trainer is not None else {}
+        sampler = EpochShuffleSampler(dataset, seed=seed, **replicas)
+        return ResumableDataLoader(dataset, sampler, **self._loader_options())
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
+        return self._loader("val")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+        return self._loader("test")

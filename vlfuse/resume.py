@@ -1,0 +1,112 @@
+"""Resuming training where it stopped: random generators in checkpoints, a checkpoint on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+SIGTERM_EXIT_CODE = 143
+"""Exit status of ``vlfuse fit`` stopped by SIGTERM (128 + 15, the shell's convention)."""
+
+
+def default_checkpoint_dir(default_root_dir: str | None) -> str:
+    """``<default_root_dir>/checkpoints``: one folder per run directory, whatever the logger's version,
+    so that ``--ckpt_path last`` finds the checkpoints of the previous, interrupted run."""
+    return os.path.join(default_root_dir or os.getcwd(), "checkpoints")
+
+
+def rng_state() -> dict:
+    """The state of every global random generator: torch (CPU and each CUDA device), numpy, Python.
+
+    Plain types and tensors only, so checkpoints keep loading with ``torch.load(weights_only=True)``.
+    """
+    _, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore the generators from :func:`rng_state`'s result."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    numpy = state["numpy"]
+    keys = numpy["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, numpy["position"], numpy["has_gauss"], numpy["cached_gaussian"]))
+    random.setstate(state["python"])
+
+
+def _all_ranks(state: dict) -> list[dict]:
+    """``state`` of every rank, in rank order (a collective call under DDP: every rank must make it)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [state]
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+class ResumeTraining(Callback):
+    """Make a resumed run continue exactly as the uninterrupted one.
+
+    Lightning's checkpoints hold the model, the optimizer, the learning-rate schedule, the loop
+    counters (and with them the loggers' step) and the callbacks' state; the training loader
+    (:class:`vlfuse.data.resumable.ResumableDataLoader`) adds the data order and the place in the
+    epoch. This callback adds the rest:
+
+    - every global random generator of every rank (dropout masks, augmentations), saved in each
+      checkpoint and restored when training starts again;
+    - on SIGTERM (what a cluster scheduler sends before it stops a job), ``last.ckpt`` in the
+      ModelCheckpoint's folder, written after the batch in progress; ``vlfuse fit ... --ckpt_path
+      last`` resumes from it;
+    - the training loader's saved place, applied when training starts: Lightning 2.6 drops it when
+      ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``, as ours does (Lightning
+      issue #20550); with a Lightning that applies it, this is a no-op.
+    """
+
+    def __init__(self) -> None:
+        self._rng_to_restore: list[dict] | None = None
+
+    def state_dict(self) -> dict:
+        return {"rng": _all_ranks(rng_state())}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._rng_to_restore = state_dict.get("rng")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        fit_loop = trainer.fit_loop
+        if getattr(fit_loop, "_combined_loader_states_to_load", None):
+            fit_loop._load_combined_loader_states()
+        if self._rng_to_restore:
+            # The same world size gives every rank its own generators back.
+            set_rng_state(self._rng_to_restore[trainer.global_rank % len(self._rng_to_restore)])
+            self._rng_to_restore = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException):
+            return
+        checkpoint = trainer.checkpoint_callback
+        folder = checkpoint.dirpath if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath else None
+        folder = folder or default_checkpoint_dir(trainer.default_root_dir)
+        path = os.path.join(folder, ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION)
+        trainer.save_checkpoint(path)
+        rank_zero_info(
+            f"vlfuse: stopped by SIGTERM at step {trainer.global_step}; saved {path}: "
+            "resume with the same command and --ckpt_path last"
+        )
