@@ -1,11 +1,17 @@
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from vlfuse.cli import main, run_lightning
+from vlfuse.analysis.analyze import build_parser as build_analyze_parser
+from vlfuse.cli import SUBCOMMANDS, main, run_lightning
 from vlfuse.model import VLFuseModel
+from vlfuse.predict import build_parser as build_predict_parser
+from vlfuse.prune import build_parser as build_prune_parser
+from vlfuse.runtime import DEFAULT_DEVICE, DEFAULT_THREADS
 
 from conftest import REPO, SHARED, tiny_cli_args
 
@@ -80,14 +86,91 @@ def test_fit_then_test_prints_accuracy_and_model_dir(tmp_path, capsys):
 )
 def test_bad_configs_give_one_line_errors(tmp_path, capsys, extra, message):
     args = ["fit", "--config", str(REPO / "configs" / "easy_vqa.yaml"), *tiny_cli_args(tmp_path)]
-    try:
-        code = main([*args, "--trainer.fast_dev_run=true", *extra])
-    except SystemExit as exit_info:  # the argument parser exits by itself
-        code = exit_info.code
-    assert code != 0
+    assert main([*args, "--trainer.fast_dev_run=true", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err
-    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1
+
+
+# ------------------------------------------------------------ the first ten minutes (issue 14)
+EASY_VQA = str(REPO / "configs" / "easy_vqa.yaml")
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["fit", "--config", EASY_VQA, "--model.foo", "1"], "vlfuse fit: error: unrecognized arguments: --model.foo 1"),
+        (["fit", "--config", "no/such.yaml"],
+         f"""vlfuse fit: error: Parser key "config": File does not exist: '{Path.cwd() / 'no' / 'such.yaml'}'"""),
+        (["fit"], "vlfuse fit: error: no data given: give --config configs/easy_vqa.yaml (or any config in configs/)"),
+        (["test", "--config", EASY_VQA, "--trainer.max_epochs", "abc"],
+         """vlfuse test: error: Parser key "trainer.max_epochs": invalid value 'abc', expected int or NoneType"""),
+    ],
+    ids=["unknown key", "missing config file", "fit without config", "bad value"],
+)
+def test_config_mistakes_print_one_line_without_usage(capsys, args, line):
+    assert main(args) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def run_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlfuse.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_subcommand_with_its_whole_description():
+    result = run_command("--help")
+    assert result.returncode == 0
+    words = " ".join(result.stdout.split())  # descriptions are wrapped, not cut
+    for name, subcommand in SUBCOMMANDS.items():
+        assert f" {name} {' '.join(subcommand.description.split())}" in words
+    assert list(SUBCOMMANDS) == ["fit", "validate", "test", "predict", "analyze", "prune"]
+
+
+def test_misspelled_subcommand_is_one_line_listing_every_subcommand():
+    result = run_command("analyse")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "vlfuse: error: unknown subcommand 'analyse' (did you mean 'analyze'?); "
+        "the subcommands are fit, validate, test, predict, analyze, prune (vlfuse --help)\n"
+    )
+
+
+def test_help_and_argument_errors_load_neither_torch_nor_lightning():
+    code = (
+        "import sys\nfrom vlfuse.cli import main\n"
+        "codes = [main(['--help']), main(['fitt']), main([])]\n"
+        "print(codes, [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.splitlines()[-1] == "[0, 2, 2] []"
+
+
+def test_fit_help_describes_fit_in_our_words(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert " ".join(SUBCOMMANDS["fit"].description.split()) in out
+    assert "--threads" in out
+
+
+def test_fit_threads_sets_torchs_thread_count(tmp_path):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _fit(tmp_path, "--trainer.fast_dev_run=true", "--threads=1")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("tool", ["predict", "analyze", "prune"])
+def test_tools_share_one_device_and_one_threads_option(tool):
+    parser = {"predict": build_predict_parser, "analyze": build_analyze_parser, "prune": build_prune_parser}[tool]()
+    options = {action.dest: action for action in parser._actions}
+    assert options["device"].default == DEFAULT_DEVICE == "cpu"
+    assert options["threads"].default == DEFAULT_THREADS
+    assert "accelerator" not in options
 
 
 def test_test_runs_a_saved_pruned_model_given_by_directory(tmp_path):

@@ -1,116 +1,153 @@
-"""The ``vlfuse`` command: ``fit``, ``validate``, ``test`` (LightningCLI) and vlfuse's own tools."""
+"""The ``vlfuse`` command: a light dispatcher to its subcommands.
+
+``fit``, ``validate`` and ``test`` are Lightning's CLI (:mod:`vlfuse.lightning_cli`); ``predict``,
+``analyze`` and ``prune`` are vlfuse's own tools. A subcommand's module is imported only when it
+runs, so ``vlfuse --help``, a mistyped subcommand and ``import vlfuse.cli`` load neither torch nor
+Lightning.
+"""
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import importlib
 import os
+import re
 import sys
-from typing import Any, Callable, Mapping
+import textwrap
+from typing import NamedTuple
 
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-from vlfuse.analysis.analyze import main as analyze_main
-from vlfuse.datamodules import VQADataModule
-from vlfuse.lit import ExportBestModel, VLFuseLitModule
-from vlfuse.predict import main as predict_main
-from vlfuse.prune import main as prune_main
-from vlfuse.resume import SIGTERM_EXIT_CODE, ResumeTraining, default_checkpoint_dir
-
-USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
+import vlfuse
 
 
-class VLFuseCLI(LightningCLI):
-    """LightningCLI with a best-model checkpoint, the export of the best model and an optional test."""
+class Subcommand(NamedTuple):
+    """Where a subcommand's ``main(argv) -> int`` lives, and what it does."""
 
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults(
-            {"checkpoint.monitor": "val/acc", "checkpoint.mode": "max", "checkpoint.save_last": True}
-        )
-        parser.add_lightning_class_args(ExportBestModel, "export")
-        parser.add_lightning_class_args(ResumeTraining, "resume")
-        parser.add_argument(
-            "--test_after_fit", type=bool, default=False, help="after fit, test the best checkpoint on the test split"
-        )
-
-    def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand]
-        if config.checkpoint.dirpath is None:  # not the logger's new version folder: --ckpt_path last finds it
-            config.checkpoint.dirpath = default_checkpoint_dir(config.trainer.default_root_dir)
-
-    def after_fit(self) -> None:
-        """With ``test_after_fit``, test the best checkpoint and print one summary line.
-
-        Under DDP every rank runs the test (its collectives need them all) and rank 0 prints.
-        """
-        if not self.config[self.subcommand].get("test_after_fit"):
-            return
-        checkpoint = self.trainer.checkpoint_callback
-        ckpt_path = "best" if isinstance(checkpoint, ModelCheckpoint) and checkpoint.best_model_path else None
-        results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=ckpt_path)
-        exporter = next((c for c in self.trainer.callbacks if isinstance(c, ExportBestModel)), None)
-        where = exporter.exported_to if exporter else None
-        self._print_test_summary(results[0] if results else {}, f"; model saved to {where}")
-
-    def after_test(self) -> None:
-        self._print_test_summary(self.trainer.callback_metrics)
-
-    def _print_test_summary(self, metrics: Mapping[str, Any], suffix: str = "") -> None:
-        """On rank 0: ``vlfuse: test accuracy 0.9978 (4500 questions)``, metrics reduced over all ranks."""
-        if self.trainer.is_global_zero and "test/acc" in metrics:
-            accuracy, questions = float(metrics["test/acc"]), int(metrics["test/questions"])
-            print(f"vlfuse: test accuracy {accuracy:.4f} ({questions} questions){suffix}")
+    module: str
+    description: str
 
 
-def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
-    """Run a LightningCLI subcommand (``args``, default ``sys.argv``); returns the CLI object."""
-    return VLFuseCLI(
-        VLFuseLitModule,
-        VQADataModule,
-        subclass_mode_data=True,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": "vlfuse"},
-    )
-
-
-def wait_for_other_ranks(trainer: Trainer) -> int:
-    """Wait for the processes Lightning started for the other ranks (DDP on one machine: rank 0
-    launches them); returns the first non-zero exit code among them, else 0.
-
-    So the command's exit status speaks for every rank, even one that fails after rank 0 finished.
-    """
-    launcher = getattr(trainer.strategy, "launcher", None)
-    codes = [process.wait() for process in getattr(launcher, "procs", [])]
-    return next((code for code in codes if code), 0)
-
-
-# Subcommands implemented by vlfuse itself rather than by LightningCLI: name -> main(argv).
-TOOLS: dict[str, Callable[[list[str]], int | None]] = {
-    "analyze": analyze_main,
-    "predict": predict_main,
-    "prune": prune_main,
+SUBCOMMANDS = {
+    "fit": Subcommand(
+        "vlfuse.lightning_cli",
+        "Train a model on a config's data (vlfuse fit --config configs/easy_vqa.yaml); export the best "
+        "checkpoint's model to <trainer.default_root_dir>/model and, with test_after_fit, print its test accuracy.",
+    ),
+    "validate": Subcommand(
+        "vlfuse.lightning_cli",
+        "Evaluate a checkpoint (--ckpt_path) or a saved model (--model.pretrained DIR) on the validation split.",
+    ),
+    "test": Subcommand(
+        "vlfuse.lightning_cli",
+        "Evaluate a checkpoint (--ckpt_path) or a saved model (--model.pretrained DIR) on the test split and "
+        "print its accuracy.",
+    ),
+    "predict": Subcommand(
+        "vlfuse.predict",
+        "Answer questions about images with a saved model: one pair (--image, --question) or a JSONL file "
+        "(--input); optionally draw attention maps.",
+    ),
+    "analyze": Subcommand(
+        "vlfuse.analysis.analyze",
+        "Report what each attention head of a saved model does: statistics, dead heads, roles, importance "
+        "scores and pruning curves, as OUT/report.md with figures.",
+    ),
+    "prune": Subcommand(
+        "vlfuse.prune",
+        "Score the attention heads of a saved model, remove the lowest-scored ones for real, optionally "
+        "fine-tune, and save the smaller model.",
+    ),
 }
+LIGHTNING = ("fit", "validate", "test")
+"""The subcommands whose ``main`` takes the whole command line (Lightning parses the subcommand itself)."""
+
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError, argparse.ArgumentError)
+FIRST_STEP = "vlfuse fit --config configs/easy_vqa.yaml"
+
+
+def help_text() -> str:
+    """``vlfuse --help``: every subcommand with its whole description."""
+    width = max(map(len, SUBCOMMANDS))
+    indent = " " * (width + 4)
+    described = [
+        textwrap.fill(sub.description, 100, initial_indent=f"  {name:<{width}}  ", subsequent_indent=indent)
+        for name, sub in SUBCOMMANDS.items()
+    ]
+    lines = [
+        f"usage: vlfuse {{{','.join(SUBCOMMANDS)}}} [options]",
+        "",
+        "Vision-language fusion with analysable multi-head cross-attention: train, evaluate, answer",
+        "questions about images, and study and prune the attention heads.",
+        "",
+        "subcommands:",
+        *described,
+        "",
+        "'vlfuse SUBCOMMAND --help' lists a subcommand's options. Start with:",
+        f"  {FIRST_STEP}",
+        "Set VLFUSE_DEBUG=1 to see the traceback behind an error.",
+    ]
+    return "\n".join(lines)
+
+
+def unknown_subcommand(name: str) -> str:
+    """The one line for a subcommand that does not exist, with the closest one."""
+    close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
+    guess = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown subcommand '{name}'{guess}; the subcommands are {', '.join(SUBCOMMANDS)} (vlfuse --help)"
+
+
+def one_line(err: BaseException, subcommand: str, args: list[str]) -> str:
+    """The message of a user error on one line; a missing dataset says which config to give."""
+    message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+    if isinstance(err, argparse.ArgumentError) and f"{subcommand}.data" in message and "--config" not in args:
+        return "no data given: give --config configs/easy_vqa.yaml (or any config in configs/)"
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    given = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Given value:")]
+    expected = [match.group(1) for line in lines if (match := re.match(r"- Expected an? <class '(\w+)'>", line))]
+    first = lines[0].rstrip(":")
+    if given:  # jsonargparse: 'Parser key "trainer.max_epochs":' then the types tried, one per line
+        wanted = f", expected {' or '.join(expected)}" if expected else ""
+        return f"{first}: invalid value {given[0]!r}{wanted}"
+    return first + (" (VLFUSE_DEBUG=1 shows the details)" if len(lines) > 1 else "")
+
+
+def run_subcommand(args: list[str], argv: list[str] | None) -> int:
+    """Import the subcommand's module and run it; ``argv`` is None when the arguments come from ``sys.argv``."""
+    subcommand = SUBCOMMANDS[args[0]]
+    module = importlib.import_module(subcommand.module)
+    if args[0] in LIGHTNING:
+        return module.main(argv)  # LightningCLI reads sys.argv itself when argv is None
+    return module.main(args[1:]) or 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``vlfuse`` command. Set VLFUSE_DEBUG=1 to see tracebacks of user errors."""
+    """Entry point of the ``vlfuse`` command (``argv`` default ``sys.argv[1:]``); returns the exit status."""
     args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(help_text(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] == "--version":
+        print(f"vlfuse {vlfuse.__version__}")
+        return 0
+    if args[0] not in SUBCOMMANDS:
+        print(f"vlfuse: error: {unknown_subcommand(args[0])}", file=sys.stderr)
+        return 2
     try:
-        if args and args[0] in TOOLS:
-            return TOOLS[args[0]](args[1:]) or 0
-        cli = run_lightning(argv)
-    except SIGTERMException:
-        return SIGTERM_EXIT_CODE  # a checkpoint was saved (ResumeTraining)
+        return run_subcommand(args, argv)
     except USER_ERRORS as err:
         if os.environ.get("VLFUSE_DEBUG"):
             raise
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"vlfuse: error: {message}", file=sys.stderr)
+        print(f"vlfuse {args[0]}: error: {one_line(err, args[0], args)}", file=sys.stderr)
         return 2
-    return wait_for_other_ranks(cli.trainer)
+
+
+def run_lightning(args: list[str] | None = None):
+    """:func:`vlfuse.lightning_cli.run_lightning`, imported when called: the CLI object of a Lightning run."""
+    from vlfuse.lightning_cli import run_lightning as run
+
+    return run(args)
 
 
 if __name__ == "__main__":

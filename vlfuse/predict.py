@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from vlfuse.analysis.attention_maps import draw_attention_map, select_query, split_prefix
 from vlfuse.data import ImageLoadError, ImageSource, preprocess_image
+from vlfuse.cli import SUBCOMMANDS
 from vlfuse.model import ImageContext, VLFuseModel
 from vlfuse.runtime import (
     DEFAULT_DEVICE,
@@ -473,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``vlfuse predict``."""
     parser = argparse.ArgumentParser(
         prog="vlfuse predict",
-        description="Answer questions about images with a saved vlfuse model.",
+        description=SUBCOMMANDS["predict"].description,
         epilog="examples:\n"
         "  vlfuse predict --model runs/easy_vqa/model --image shape.png --question 'what shape is it?'\n"
         "  vlfuse predict --model runs/easy_vqa/model --input pairs.jsonl --output answers.jsonl --top-k 3\n"

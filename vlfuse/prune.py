@@ -38,6 +38,7 @@ from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules import VQADataModule
 from vlfuse.datamodules.base import SPLITS
 from vlfuse.lit import VLFuseLitModule
+from vlfuse.cli import SUBCOMMANDS
 from vlfuse.model import VLFuseModel
 from vlfuse.runtime import add_device_argument, add_threads_argument, lightning_accelerator, set_threads
 
@@ -143,8 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``vlfuse prune``."""
     parser = argparse.ArgumentParser(
         prog="vlfuse prune",
-        description="Score the fusion cross-attention heads, remove the lowest-scored ones for real "
-        "(sliced weights), optionally fine-tune, and save the smaller model.",
+        description=SUBCOMMANDS["prune"].description,
         epilog="example:\n  vlfuse prune --model runs/easy_vqa/model --config configs/easy_vqa.yaml "
         "--score gradient --fraction 0.5 --out runs/easy_vqa/pruned",
         formatter_class=argparse.RawDescriptionHelpFormatter,

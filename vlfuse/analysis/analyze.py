@@ -18,6 +18,7 @@ from vlfuse.analysis.collect import collect_head_stats
 from vlfuse.analysis.data import add_data_arguments, build_datamodule, load_batches, parse_with_data_overrides
 from vlfuse.analysis.head_scores import evaluate, original_head_count, pruning_curve, score_heads
 from vlfuse.analysis.report import write_report
+from vlfuse.cli import SUBCOMMANDS
 from vlfuse.model import VLFuseModel
 from vlfuse.runtime import add_device_argument, add_threads_argument, set_threads
 
@@ -64,11 +65,11 @@ def analyze(
     )
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``vlfuse analyze``."""
     parser = argparse.ArgumentParser(
         prog="vlfuse analyze",
-        description="Head statistics, role tags, importance scores and pruning curves of a saved model, "
-        "as OUT/report.md with PNG figures.",
+        description=SUBCOMMANDS["analyze"].description,
     )
     parser.add_argument("--model", required=True, help="a directory written by save_pretrained")
     parser.add_argument("--config", required=True, help="a vlfuse fit config; its data: section gives the data")
@@ -85,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``vlfuse analyze``: returns the exit status (user errors are raised as ``ValueError``)."""
-    parser = _parser()
+    parser = build_parser()
     args, overrides = parse_with_data_overrides(parser, argv)
     if any(not 0.0 <= f < 1.0 for f in args.fractions):
         parser.error(f"--fractions must be in [0, 1), got {args.fractions}")
