@@ -99,12 +99,12 @@ EASY_VQA = str(REPO / "configs" / "easy_vqa.yaml")
 @pytest.mark.parametrize(
     "args, line",
     [
-        (["fit", "--config", EASY_VQA, "--model.foo", "1"], "vlfuse fit: error: unrecognized arguments: --model.foo 1"),
+        (["fit", "--config", EASY_VQA, "--model.foo", "1"], "vlfuse: error: unrecognized arguments: --model.foo 1"),
         (["fit", "--config", "no/such.yaml"],
-         f"""vlfuse fit: error: Parser key "config": File does not exist: '{Path.cwd() / 'no' / 'such.yaml'}'"""),
-        (["fit"], "vlfuse fit: error: no data given: give --config configs/easy_vqa.yaml (or any config in configs/)"),
+         f"""vlfuse: error: Parser key "config": File does not exist: '{Path.cwd() / 'no' / 'such.yaml'}'"""),
+        (["fit"], "vlfuse: error: no data given: give --config configs/easy_vqa.yaml (or any config in configs/)"),
         (["test", "--config", EASY_VQA, "--trainer.max_epochs", "abc"],
-         """vlfuse test: error: Parser key "trainer.max_epochs": invalid value 'abc', expected int or NoneType"""),
+         """vlfuse: error: Parser key "trainer.max_epochs": invalid value 'abc', expected int or NoneType"""),
     ],
     ids=["unknown key", "missing config file", "fit without config", "bad value"],
 )

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if os.environ.get("VLFUSE_DEBUG"):
             raise
-        print(f"vlfuse {args[0]}: error: {one_line(err, args[0], args)}", file=sys.stderr)
+        print(f"vlfuse: error: {one_line(err, args[0], args)}", file=sys.stderr)
         return 2
 
 
