@@ -6,7 +6,8 @@ How the examples run:
   named ``FILE:LINE`` after its opening fence, run in document order.
 - All blocks run in one workspace, a temporary folder that looks like a checkout after the README's
   set-up: ``configs/`` and ``scripts/`` link to this repository, ``.venv/bin/python`` and
-  ``.venv/bin/vlfuse`` run this interpreter with this tree first on ``PYTHONPATH``, and the SHAPES
+  ``.venv/bin/vlfuse`` run this interpreter with this tree first on ``PYTHONPATH`` (``.venv/bin`` is
+  first on ``PATH`` too, as in an activated environment, for examples that say ``vlfuse``), and the SHAPES
   data are found through ``VLFUSE_SHAPES_DIR``. Files the examples write (``runs/``,
   ``reports/``, ``pairs.jsonl``, ``docs/figures/``) go there, so blocks build on earlier ones as a
   reader's would.
@@ -104,9 +105,12 @@ def command_lines(code: str) -> list[str]:
 
 
 def tiny_training(line: str) -> list[str]:
-    """:func:`conftest.tiny_overrides` for the command's config; a resumed run gets one epoch more."""
-    config = re.search(r"--config\s+(\S+)", line).group(1)
-    readout = yaml.safe_load((REPO / config).read_text())["model"]["architecture"].get("readout")
+    """:func:`conftest.tiny_overrides` for the command's config (none for ``--help``, or without a
+    config); a resumed run gets one epoch more."""
+    config = re.search(r"--config\s+(\S+)", line)
+    if config is None or "--help" in line:
+        return []
+    readout = yaml.safe_load((REPO / config.group(1)).read_text())["model"]["architecture"].get("readout")
     if readout == "map_program":
         return tiny_overrides(map_program=True) + ["--trainer.max_epochs=1"]
     epochs = ["--trainer.max_epochs=2"] if "--ckpt_path" in line else []
@@ -125,6 +129,8 @@ def rewrite(line: str) -> str | None:
         match = re.search(pattern, code)
         if match:
             extra = tiny_training(code) if extra == "tiny training" else extra
+            if not extra:
+                return line
             added = " ".join(shlex.quote(arg) for arg in extra)
             if where == "after":
                 return f"{code[:match.end()]} {added}{code[match.end():]}"
@@ -144,6 +150,7 @@ def shrink_block(code: str) -> tuple[str, list[str]]:
 # ------------------------------------------------------------------------------ the workspace
 def run(args: list[str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "PATH": os.pathsep.join([str(cwd / ".venv" / "bin"), os.environ["PATH"]]),
            "OMP_NUM_THREADS": "1", "VLFUSE_SHAPES_DIR": str(SHARED / "data" / "shapes"), "MPLBACKEND": "Agg"}
     return subprocess.run(args, cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=900)
 
@@ -164,9 +171,16 @@ def workspace(tmp_path_factory) -> Path:
         (bin_dir / name).write_text(f"#!/bin/sh\n{command}\n")
         (bin_dir / name).chmod(0o755)
     main_command = rewrite(".venv/bin/vlfuse fit --config configs/easy_vqa.yaml")
-    assert_ran(run(["bash", "-eo", "pipefail", "-c", main_command], root), main_command)
-    assert (root / "runs" / "easy_vqa" / "model" / "model.safetensors").exists()
+    result = run(["bash", "-eo", "pipefail", "-c", main_command], root)
+    assert_ran(result, main_command)
+    (root / "main_command.out").write_text(result.stdout)
     return root
+
+
+def test_readme_main_command_exports_the_model_the_examples_use(workspace):
+    printed = (workspace / "main_command.out").read_text().splitlines()[-1]
+    assert printed.startswith("vlfuse: test accuracy ") and printed.endswith("; model saved to runs/easy_vqa/model")
+    assert (workspace / "runs" / "easy_vqa" / "model" / "model.safetensors").exists()
 
 
 def test_every_document_has_examples_and_the_rules_apply():
@@ -177,6 +191,9 @@ def test_every_document_has_examples_and_the_rules_apply():
     assert rewrite("python scripts/head_count_study.py --config c -- --x 1") == (
         "python scripts/head_count_study.py --dry-run --config c -- --x 1")
     assert rewrite("bash scripts/setup_env.sh && .venv/bin/python -m pytest -q") is None
+    assert rewrite(".venv/bin/vlfuse fit --help") == ".venv/bin/vlfuse fit --help"
+    resumed = rewrite("vlfuse fit --config configs/easy_vqa.yaml --ckpt_path last")
+    assert resumed.endswith("--trainer.max_epochs=1 --model.architecture.fusion_depth=2 --trainer.max_epochs=2")
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.name for block in BLOCKS])
