@@ -154,8 +154,10 @@ def test_predict_runs_with_its_thread_count_and_restores_the_callers(model_dir, 
     Predictor.from_pretrained(model_dir, threads=None).predict(images[:1], QUESTIONS[:1])
     assert seen == [2, 1, before]
     assert torch.get_num_threads() == before
-    with pytest.raises(ValueError, match="threads must be a whole number of at least 1, got 0"):
+    with pytest.raises(ValueError, match="^threads must be at least 1, got 0$"):
         Predictor.from_pretrained(model_dir, threads=0)
+    with pytest.raises(ValueError, match="^threads must be a whole number, got 1.5$"):
+        Predictor.from_pretrained(model_dir, threads=1.5)
 
 
 # ------------------------------------------------------------------------------- image cache

@@ -48,8 +48,12 @@ def add_threads_argument(parser: argparse.ArgumentParser, default: int | None = 
 
 def check_threads(threads: int | None, name: str = "--threads") -> None:
     """Raise a one-line ``ValueError`` naming ``name`` unless ``threads`` is ``None`` or at least 1."""
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"{name} must be a whole number of at least 1, got {threads!r}")
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise ValueError(f"{name} must be a whole number, got {threads!r}")
+    if threads < 1:
+        raise ValueError(f"{name} must be at least 1, got {threads}")
 
 
 def set_threads(threads: int | None, name: str = "--threads") -> None:
