@@ -9,6 +9,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from vlfuse.encoders.cache import FeatureCache
+from vlfuse.encoders.installed import resolve_model_name
 
 
 @dataclass
@@ -16,7 +17,9 @@ class TextEncoderConfig:
     """A transformers encoder: pretrained (``name``) or from scratch (the size fields).
 
     Attributes:
-        name: hub name or local directory of a pretrained encoder; its tokenizer is used.
+        name: hub name, local directory or ``package:<module>/<folder>`` (a folder inside an
+            installed Python package, see :mod:`vlfuse.encoders.installed`) of a pretrained
+            encoder; its tokenizer is used.
             ``None`` builds a ``model_type`` encoder from scratch with a word-level tokenizer
             made from the training questions.
         model_type: architecture for a from-scratch encoder (a transformers model type).
@@ -72,7 +75,7 @@ class TextEncoder(nn.Module):
             self.model = AutoModel.from_config(hf_config)
         elif config.name is not None:
             try:
-                self.model = AutoModel.from_pretrained(config.name)
+                self.model = AutoModel.from_pretrained(resolve_model_name(config.name))
             except OSError as err:
                 raise ValueError(f"cannot load the text encoder {config.name!r}: {str(err).splitlines()[0]}") from None
         else:
