@@ -6,7 +6,9 @@ epoch by epoch so that machine noise hits both alike. Each epoch runs the real D
 (image decoding included), forward, backward and AdamW. Prints each epoch's seconds and the
 ratio no-cache / cache for the epochs after the first (the first fills the cache).
 
-    .venv/bin/python scripts/bench_feature_cache.py --config configs/easy_vqa_minilm.yaml --limit-images 500
+    .venv/bin/python scripts/bench_feature_cache.py --config configs/easy_vqa_minilm.yaml --limit-images 200
+    # a pretrained-size image encoder (timm's own sizes) instead of the config's small one:
+    .venv/bin/python scripts/bench_feature_cache.py --config configs/easy_vqa_minilm.yaml --image-encoder vit_small_patch16_224
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from vlfuse.datamodules import EasyVQADataModule
 from vlfuse.model import VLFuseConfig, VLFuseModel
 
 
-def frozen(architecture: VLFuseConfig, cache: bool) -> VLFuseConfig:
+def frozen(architecture: VLFuseConfig, cache: bool, image_encoder: str | None) -> VLFuseConfig:
+    image = architecture.image
+    if image_encoder:
+        image = dataclasses.replace(image, name=image_encoder, patch_size=None, width=None, depth=None, num_heads=None)
     return dataclasses.replace(
         architecture,
-        image=dataclasses.replace(architecture.image, freeze=True, cache_features=cache),
+        image=dataclasses.replace(image, freeze=True, cache_features=cache),
         text=dataclasses.replace(architecture.text, freeze=True, cache_features=cache),
     )
 
@@ -55,6 +60,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="epochs per model (the first fills the cache)")
     parser.add_argument("--limit-images", type=int, default=400, help="training images (each with its questions)")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--image-encoder", help="a timm ViT at its own sizes instead of the config's image encoder")
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2: the cache pays off from the second epoch")
@@ -66,7 +72,7 @@ def main() -> None:
     models, optimizers = {}, {}
     for name, cache in (("no cache", False), ("cache", True)):
         torch.manual_seed(0)
-        models[name] = VLFuseModel.from_config(frozen(architecture, cache), data.answers, data.train_questions)
+        models[name] = VLFuseModel.from_config(frozen(architecture, cache, args.image_encoder), data.answers, data.train_questions)
         trainable = [p for p in models[name].parameters() if p.requires_grad]
         optimizers[name] = torch.optim.AdamW(trainable, lr=1e-4)
     times: dict[str, list[float]] = {name: [] for name in models}
@@ -78,7 +84,8 @@ def main() -> None:
         print(f"epoch {epoch}: " + ", ".join(f"{name} {times[name][-1]:.2f} s" for name in models), flush=True)
     later = {name: statistics.median(t[1:]) for name, t in times.items()}
     print(
-        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {args.config} with both encoders frozen; "
+        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {args.config} with both encoders frozen"
+        f"{f' (image encoder {args.image_encoder})' if args.image_encoder else ''}; "
         f"{len(data.records('train'))} images, {data.dataset('train').num_questions} questions per epoch"
     )
     print(f"epochs after the first (median): no cache {later['no cache']:.2f} s, cache {later['cache']:.2f} s; "
