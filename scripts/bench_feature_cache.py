@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
+from bench_training import train_step
 
-from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules import EasyVQADataModule
 from vlfuse.model import VLFuseConfig, VLFuseModel
 
@@ -44,13 +43,7 @@ def train_epoch(model: VLFuseModel, optimizer: torch.optim.Optimizer, loader) ->
     model.train()
     start = time.perf_counter()
     for batch in loader:
-        tokens = model.tokenize(batch["questions"])
-        logits = model(
-            batch["pixel_values"], tokens["input_ids"], tokens["attention_mask"], image_index=batch["image_index"]
-        ).logits
-        F.cross_entropy(logits, batch["labels"], ignore_index=IGNORE_INDEX).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, {**batch, **model.tokenize(batch["questions"])})
     return time.perf_counter() - start
 
 

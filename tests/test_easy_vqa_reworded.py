@@ -1,11 +1,16 @@
 """The reworded easy-VQA questions: same meaning and answers, wording the training set never uses."""
 
 import random
+import re
+import subprocess
+import sys
 
 import pytest
 
 from vlfuse.data.easy_vqa import load_easy_vqa
 from vlfuse.data.easy_vqa_reworded import Asked, parse_question, reword, reworded_easy_vqa
+
+from conftest import REPO
 
 
 @pytest.mark.parametrize(
@@ -41,3 +46,14 @@ def test_reworded_test_split_has_the_same_images_and_answers_and_no_training_wor
     training = {q for r in load_easy_vqa("train") for q in r.questions}
     reworded_questions = {q for r in reworded for q in r.questions}
     assert len(reworded_questions) > 200 and not reworded_questions & training
+
+
+def test_reworded_accuracy_script_scores_both_wordings_by_kind():
+    model = REPO / "tests" / "fixtures" / "format_v1" / "pool_gelu_leaky_relu" / "model"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "reworded_accuracy.py"), "--model", str(model), "--limit-images", "3"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "| question kind | questions | templated | reworded |" in result.stdout
+    assert re.search(r"^\| all \| \d+ \| \*\*[\d.]+%\*\* \| \*\*[\d.]+%\*\* \|$", result.stdout, re.M)
