@@ -95,3 +95,15 @@ def test_feature_cache_computes_each_new_key_once_per_call():
     assert (cache.hits, cache.misses, len(cache)) == (2, 3, 3)
     cache.clear()
     assert len(cache) == 0
+
+
+def test_a_full_cache_still_returns_every_output_and_stores_what_fits():
+    cache = FeatureCache(max_bytes=2 * 4)  # room for two float32 scalars
+
+    def compute(rows):
+        return [torch.tensor(float(r)) for r in rows]
+
+    assert [t.item() for t in cache.get(["a", "b", "c"], compute)] == [0.0, 1.0, 2.0]
+    assert (len(cache), cache.nbytes) == (2, 8)
+    assert [t.item() for t in cache.get(["c", "a"], compute)] == [0.0, 0.0]  # c is computed again, at row 0
+    assert cache.misses == 4 and cache.hits == 1

@@ -29,7 +29,8 @@ class ImageEncoderConfig:
         freeze: keep the encoder's weights fixed during training (it then runs in eval mode).
         cache_features: with ``freeze``, keep the encoder's output for each distinct image in
             memory while the model trains (see :class:`~vlfuse.encoders.cache.FeatureCache`), so
-            that it runs once per image; turn off for image sets larger than memory.
+            that it runs once per image (up to 2 GiB of features, see
+            :data:`~vlfuse.encoders.cache.DEFAULT_MAX_BYTES`).
     """
 
     name: str = "vit_tiny_patch16_224"
