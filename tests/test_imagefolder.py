@@ -24,7 +24,7 @@ def write_split(folder: Path, rows: list, images: dict[str, str]) -> Path:
     for name, colour in images.items():
         Image.new("RGB", (20, 20), COLOURS[colour]).save(folder / name)
     lines = [row if isinstance(row, str) else json.dumps(row) for row in rows]
-    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n", errors="surrogateescape")  # may hold raw bytes
     return folder / "metadata.jsonl"
 
 
@@ -98,6 +98,7 @@ def test_human_answers_reach_the_batch(tmp_path):
 
 BAD_ROWS = {
     "malformed JSON": ('{"file_name": "a.png", "question": "q?" "answer": "x"}', r"not valid JSON"),
+    "not UTF-8": ('{"file_name": "a.png", "question": "caf\udce9?", "answer": "x"}', r"not UTF-8 text"),
     "no question": ({"file_name": "a.png", "answer": "x"}, r"no 'question'"),
     "empty question": ({"file_name": "a.png", "question": " ", "answer": "x"}, r"no 'question'"),
     "no answer": ({"file_name": "a.png", "question": "q?"}, r"no 'answer' \(a string\) or 'answers' \(a list\)"),

@@ -127,18 +127,20 @@ def _group(rows: Iterable[_Row | BadRowError], skip_bad_rows: bool) -> LoadedSpl
 def _folder_rows(split_dir: Path, metadata: Path) -> Iterable[_Row | BadRowError]:
     columns = {"image": "file_name", "question": "question", "answer": "answer", "answers": "answers"}
     check = _Checked()
-    with metadata.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
+    with metadata.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
                 continue
             where = f"{metadata}:{number}"
             try:
                 try:
-                    row = json.loads(line)
+                    row = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as err:
+                    raise BadRowError(f"{where}: not UTF-8 text: {err.reason} at byte {err.start}") from None
                 except json.JSONDecodeError as err:
                     raise BadRowError(f"{where}: not valid JSON: {err.msg} (column {err.colno})") from None
                 question, answer, humans = _question_and_answers(row, columns, where)
-                file_name = _text(row, "file_name", where)
+                file_name = _text(row, columns["image"], where)
                 path = split_dir / file_name
                 check(file_name, path, where)
                 yield _Row(file_name, str(path), question, answer, humans)
