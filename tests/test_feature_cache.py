@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import pytest
 import torch
 
 from vlfuse.encoders import FeatureCache
