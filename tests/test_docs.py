@@ -8,7 +8,8 @@ How the examples run:
   set-up: ``configs/`` and ``scripts/`` link to this repository, ``.venv/bin/python`` and
   ``.venv/bin/vlfuse`` run this interpreter with this tree first on ``PYTHONPATH`` (``.venv/bin`` is
   first on ``PATH`` too, as in an activated environment, for examples that say ``vlfuse``), and the SHAPES
-  data are found through ``VLFUSE_SHAPES_DIR``. Files the examples write (``runs/``,
+  data are found through ``VLFUSE_SHAPES_DIR``; ``DATA/`` is a tiny imagefolder dataset (4 easy-VQA
+  test images with their questions in each split) for the examples that name it. Files the examples write (``runs/``,
   ``reports/``, ``pairs.jsonl``, ``docs/figures/``) go there, so blocks build on earlier ones as a
   reader's would.
 - A session fixture first runs the README's main command, shrunk as below, so that
@@ -24,9 +25,11 @@ How the examples run:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -44,6 +47,7 @@ SKIPPED = {
     r"-m pytest\b": "runs the test suite itself",
     r"configs/vqa_v2\.yaml": "needs the VQA v2 download (COCO images, official JSON files): not on this machine",
     r"--trainer\.accelerator gpu": "needs 4 GPUs",
+    r"--data\.init_args\.dataset user/": "needs the Hugging Face hub and a dataset that the example only names",
 }
 """``{pattern: reason}``: command lines that cannot run here."""
 
@@ -55,7 +59,7 @@ SHRINK = [
     (r"vlfuse analyze\b", ["--max-batches", "1", "--limit-images", "8", "--fractions", "0", "0.5"], "end"),
     (r"vlfuse prune\b", ["--max-batches", "1", "--limit-images", "8", "--latency-questions", "4",
                          "--latency-repeats", "1"], "end"),
-    (r"scripts/accuracy_by_question\.py", ["--limit-images", "8"], "end"),
+    (r"scripts/(accuracy_by_question|reworded_accuracy)\.py", ["--limit-images", "8"], "end"),
     (r"scripts/bench_training\.py", ["--batches", "1", "--repeats", "1", "--warmup", "0"], "end"),
     (r"scripts/bench_pruning\.py", ["--questions", "4", "--repeats", "1", "--warmup", "0"], "end"),
     (r"scripts/bench_predict\.py", ["--images", "2", "--questions-per-image", "2", "--repeats", "1",
@@ -159,6 +163,23 @@ def assert_ran(result: subprocess.CompletedProcess, what: str) -> None:
     assert result.returncode == 0, f"{what} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 
+def write_imagefolder(data: Path, images: int = 4) -> None:
+    """The imagefolder layout of docs/datasets-imagefolder.md: ``0001.png``... with their easy-VQA questions."""
+    import easy_vqa
+
+    questions, answers, image_ids = easy_vqa.get_test_questions()
+    paths = easy_vqa.get_test_image_paths()
+    for split in ("train", "validation", "test"):
+        (data / split).mkdir(parents=True)
+        rows = []
+        for i in range(images):
+            name = f"{i + 1:04d}.png"
+            shutil.copy(paths[i], data / split / name)
+            rows += [{"file_name": name, "question": q, "answer": a}
+                     for q, a, image in zip(questions, answers, image_ids) if image == i]
+        (data / split / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 @pytest.fixture(scope="session")
 def workspace(tmp_path_factory) -> Path:
     """A checkout after the README's set-up and main command (shrunk): see the module docstring."""
@@ -170,6 +191,7 @@ def workspace(tmp_path_factory) -> Path:
     for name, command in (("python", f'exec {sys.executable} "$@"'), ("vlfuse", f'exec {sys.executable} -m vlfuse.cli "$@"')):
         (bin_dir / name).write_text(f"#!/bin/sh\n{command}\n")
         (bin_dir / name).chmod(0o755)
+    write_imagefolder(root / "DATA")
     main_command = rewrite(".venv/bin/vlfuse fit --config configs/easy_vqa.yaml")
     result = run(["bash", "-eo", "pipefail", "-c", main_command], root)
     assert_ran(result, main_command)
