@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -14,6 +17,15 @@ from vlfuse.model import VLFuseConfig, VLFuseModel
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+
+
+def load_script(name: str) -> ModuleType:
+    """Import ``scripts/<name>.py`` as module ``name`` (registered in ``sys.modules``: dataclasses look it up there)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_config(**overrides) -> VLFuseConfig:

@@ -1,18 +1,13 @@
 """The question kinds of scripts/accuracy_by_question.py."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accuracy_by_question.py"
+from conftest import load_script
 
 
 def question_kind():
-    spec = importlib.util.spec_from_file_location("accuracy_by_question", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.question_kind
+    return load_script("accuracy_by_question").question_kind
 
 
 @pytest.mark.parametrize(

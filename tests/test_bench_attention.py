@@ -1,23 +1,12 @@
 """Smoke test of scripts/bench_attention.py: it runs at tiny sizes and reports every contender."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def test_quick_run_prints_a_table_with_every_contender(tmp_path, capsys):
-    bench = load_script()
+    bench = load_script("bench_attention")
     report = tmp_path / "bench.json"
     targets = bench.main(["--quick", "--json", str(report)])
     out = capsys.readouterr().out
@@ -41,7 +30,7 @@ def test_quick_run_prints_a_table_with_every_contender(tmp_path, capsys):
 
 
 def test_baseline_report_is_printed_next_to_this_run(tmp_path, capsys):
-    bench = load_script()
+    bench = load_script("bench_attention")
     before = tmp_path / "before.json"
     bench.main(["--quick", "--json", str(before)])
     capsys.readouterr()

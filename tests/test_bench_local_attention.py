@@ -1,25 +1,14 @@
 """Smoke test of scripts/bench_local_attention.py: tiny sizes, every contender, honest memory figures."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_local_attention.py"
+from conftest import load_script
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_local_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_script()
+bench = load_script("bench_local_attention")
 
 
 def test_quick_run_prints_every_contender(tmp_path, capsys):

@@ -16,7 +16,11 @@ from vlfuse.runtime import DEFAULT_DEVICE, DEFAULT_THREADS
 from conftest import REPO, SHARED, tiny_cli_args
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-DATA_NEEDS = {"shapes": SHARED / "data" / "shapes", "vqa_v2": REPO / "data" / "vqa_v2"}
+DATA_NEEDS = {
+    "shapes": SHARED / "data" / "shapes",
+    "vqa_v2": REPO / "data" / "vqa_v2",
+    "imagefolder": REPO / "data" / "imagefolder",  # tests/test_imagefolder.py trains it on a folder it makes
+}
 
 
 def needs_data(config: Path):

@@ -1,7 +1,6 @@
 """scripts/head_count_study.py: commands, result collection, resuming, tables; one tiny real run."""
 
 import csv
-import importlib.util
 import json
 import re
 import subprocess
@@ -17,21 +16,13 @@ from vlfuse.analysis.data import build_datamodule, load_batches
 from vlfuse.analysis.head_scores import evaluate
 from vlfuse.model import VLFuseModel
 
-from conftest import REPO, tiny_cli_args
+from conftest import REPO, load_script, tiny_cli_args
 
 SCRIPT = REPO / "scripts" / "head_count_study.py"
 CONFIG = REPO / "configs" / "easy_vqa.yaml"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("head_count_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-study = load_script()
+study = load_script("head_count_study")
 
 
 def option(command, name):

@@ -16,6 +16,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules import VQADataModule
+from vlfuse.metrics import VQASoftAccuracy
 from vlfuse.model import VLFuseConfig, VLFuseModel, VLFuseOutput
 
 
@@ -122,6 +123,8 @@ class VLFuseLitModule(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.test_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
+        # VQA's soft accuracy, for batches that carry every annotator's answers (human_labels)
+        self.soft_acc = torch.nn.ModuleDict({"val": VQASoftAccuracy(), "test": VQASoftAccuracy()})
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["vlfuse_answers"] = list(self.model.answers)
@@ -170,6 +173,9 @@ class VLFuseLitModule(L.LightningModule):
         if stage != "train":
             scored = (labels != IGNORE_INDEX).sum().float()
             self.log(f"{stage}/questions", scored, reduce_fx="sum", on_step=False, on_epoch=True, sync_dist=True)
+        if stage in self.soft_acc and "human_labels" in batch:
+            self.soft_acc[stage](logits, batch["human_labels"])
+            self.log(f"{stage}/soft_acc", self.soft_acc[stage], batch_size=n, on_step=False, on_epoch=True)
         if output.head_diversity is not None:
             diversity = output.head_diversity
             self.log(f"{stage}/head_diversity", diversity, batch_size=n, on_step=True, on_epoch=True, sync_dist=True)

@@ -13,10 +13,13 @@ from vlfuse.data.transforms import preprocess_image
 
 IGNORE_INDEX = -100
 """Label of an answer outside the vocabulary: ignored by the loss (as in ``F.cross_entropy``)."""
+NO_ANSWER = -1
+"""Padding of ``human_labels``: a question with fewer human answers than the widest in its batch."""
 
 
 class GroupedVQADataset(Dataset):
-    """Yields one image with all its questions: ``{"pixel_values", "questions", "labels"}``.
+    """Yields one image with all its questions: ``{"pixel_values", "questions", "labels"}``, and
+    ``human_labels`` (Q, A) when the record has every annotator's answers (see :func:`human_labels`).
 
     Args:
         records: the images and their questions.
@@ -34,16 +37,38 @@ class GroupedVQADataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         record = self.records[i]
-        labels = [self.vocab.index(a) if a in self.vocab else IGNORE_INDEX for a in record.answers]
-        return {
+        item = {
             "pixel_values": preprocess_image(record.image, self.image_size),
             "questions": list(record.questions),
-            "labels": torch.tensor(labels, dtype=torch.long),
+            "labels": torch.tensor(self._indices(record.answers), dtype=torch.long),
         }
+        if record.human_answers:
+            item["human_labels"] = human_labels([self._indices(h) for h in record.human_answers])
+        return item
+
+    def _indices(self, answers: Sequence[str]) -> list[int]:
+        return [self.vocab.index(a) if a in self.vocab else IGNORE_INDEX for a in answers]
 
     @property
     def num_questions(self) -> int:
         return sum(len(r.questions) for r in self.records)
+
+
+def human_labels(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Answer indices of every annotator, one row per question, padded with :data:`NO_ANSWER`.
+
+    Args:
+        rows: per question, the vocabulary index of each human answer (:data:`IGNORE_INDEX` for
+            an answer outside the vocabulary: it counts as an annotator no prediction matches).
+
+    Returns:
+        ``(len(rows), max answers per question)`` long tensor.
+    """
+    width = max((len(r) for r in rows), default=0)
+    table = torch.full((len(rows), width), NO_ANSWER, dtype=torch.long)
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return table
 
 
 def collate_grouped(items: list[dict]) -> dict:
@@ -51,12 +76,22 @@ def collate_grouped(items: list[dict]) -> dict:
 
     Returns:
         ``pixel_values`` (Bi, 3, S, S); ``questions`` list of Bq strings; ``labels`` (Bq,);
-        ``image_index`` (Bq,) the image row of each question.
+        ``image_index`` (Bq,) the image row of each question; and, when any item has them,
+        ``human_labels`` (Bq, A) padded with :data:`NO_ANSWER` (all of a row, for the questions
+        of an item without human answers).
     """
     counts = torch.tensor([len(item["questions"]) for item in items])
-    return {
+    batch = {
         "pixel_values": torch.stack([item["pixel_values"] for item in items]),
         "questions": [q for item in items for q in item["questions"]],
         "labels": torch.cat([item["labels"] for item in items]),
         "image_index": torch.repeat_interleave(torch.arange(len(items)), counts),
     }
+    if any("human_labels" in item for item in items):
+        rows = [
+            row
+            for item, count in zip(items, counts.tolist())
+            for row in (item["human_labels"].tolist() if "human_labels" in item else [[]] * count)
+        ]
+        batch["human_labels"] = human_labels(rows)  # (Bq, A)
+    return batch

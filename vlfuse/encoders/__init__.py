@@ -1,10 +1,12 @@
 """Image and text encoder wrappers (timm, transformers) and tokenizers."""
 
+from vlfuse.encoders.cache import FeatureCache
 from vlfuse.encoders.image import ImageEncoder, ImageEncoderConfig
 from vlfuse.encoders.text import TextEncoder, TextEncoderConfig, scratch_config
 from vlfuse.encoders.tokenizer import build_word_tokenizer, load_tokenizer
 
 __all__ = [
+    "FeatureCache",
     "ImageEncoder",
     "ImageEncoderConfig",
     "TextEncoder",

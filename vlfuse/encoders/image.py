@@ -8,6 +8,8 @@ import timm
 import torch
 from torch import nn
 
+from vlfuse.encoders.cache import FeatureCache, tensor_key
+
 
 @dataclass
 class ImageEncoderConfig:
@@ -24,7 +26,11 @@ class ImageEncoderConfig:
         num_heads: override the number of heads of the encoder's self-attention.
         mean: per-channel mean used to normalise [0, 1] pixels.
         std: per-channel standard deviation used to normalise [0, 1] pixels.
-        freeze: keep the encoder's weights fixed during training.
+        freeze: keep the encoder's weights fixed during training (it then runs in eval mode).
+        cache_features: with ``freeze``, keep the encoder's output for each distinct image in
+            memory while the model trains (see :class:`~vlfuse.encoders.cache.FeatureCache`), so
+            that it runs once per image (up to 2 GiB of features, see
+            :data:`~vlfuse.encoders.cache.DEFAULT_MAX_BYTES`).
     """
 
     name: str = "vit_tiny_patch16_224"
@@ -38,6 +44,7 @@ class ImageEncoderConfig:
     mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     freeze: bool = False
+    cache_features: bool = True
 
 
 class ImageEncoder(nn.Module):
@@ -75,6 +82,14 @@ class ImageEncoder(nn.Module):
         self.register_buffer("std", torch.tensor(config.std).view(1, 3, 1, 1), persistent=False)
         if config.freeze:
             self.vit.requires_grad_(False)
+        self.cache = FeatureCache() if config.freeze and config.cache_features else None
+
+    def train(self, mode: bool = True) -> "ImageEncoder":
+        """``self.training`` follows the model; a frozen ViT stays in eval mode (no dropout)."""
+        super().train(mode)
+        if self.config.freeze:
+            self.vit.eval()
+        return self
 
     @property
     def width(self) -> int:
@@ -91,5 +106,14 @@ class ImageEncoder(nn.Module):
         return self.vit.num_prefix_tokens
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``pixels`` (B, 3, S, S) in [0, 1] -> tokens (B, prefix + rows * cols, width)."""
+        """``pixels`` (B, 3, S, S) in [0, 1] -> tokens (B, prefix + rows * cols, width).
+
+        In training, a frozen encoder with a cache runs only on images it has not seen before.
+        """
+        if self.cache is None or not self.training:
+            return self._encode(pixels)
+        rows = self.cache.get([tensor_key(p) for p in pixels], lambda new: self._encode(pixels[new]))
+        return torch.stack(rows)
+
+    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.vit.forward_features((pixels - self.mean) / self.std)

@@ -8,13 +8,18 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
+from vlfuse.encoders.cache import FeatureCache
+from vlfuse.encoders.installed import resolve_model_name
+
 
 @dataclass
 class TextEncoderConfig:
     """A transformers encoder: pretrained (``name``) or from scratch (the size fields).
 
     Attributes:
-        name: hub name or local directory of a pretrained encoder; its tokenizer is used.
+        name: hub name, local directory or ``package:<module>/<folder>`` (a folder inside an
+            installed Python package, see :mod:`vlfuse.encoders.installed`) of a pretrained
+            encoder; its tokenizer is used.
             ``None`` builds a ``model_type`` encoder from scratch with a word-level tokenizer
             made from the training questions.
         model_type: architecture for a from-scratch encoder (a transformers model type).
@@ -22,7 +27,9 @@ class TextEncoderConfig:
         depth: number of layers of a from-scratch encoder.
         num_heads: attention heads of a from-scratch encoder.
         max_length: longest question in tokens; longer ones are truncated.
-        freeze: keep the encoder's weights fixed during training.
+        freeze: keep the encoder's weights fixed during training (it then runs in eval mode).
+        cache_features: with ``freeze``, keep the encoder's output for each distinct question in
+            memory while the model trains (see :class:`~vlfuse.encoders.cache.FeatureCache`).
     """
 
     name: str | None = None
@@ -32,6 +39,7 @@ class TextEncoderConfig:
     num_heads: int = 4
     max_length: int = 32
     freeze: bool = False
+    cache_features: bool = True
 
 
 def scratch_config(config: TextEncoderConfig, vocab_size: int, pad_token_id: int) -> PretrainedConfig:
@@ -67,7 +75,7 @@ class TextEncoder(nn.Module):
             self.model = AutoModel.from_config(hf_config)
         elif config.name is not None:
             try:
-                self.model = AutoModel.from_pretrained(config.name)
+                self.model = AutoModel.from_pretrained(resolve_model_name(config.name))
             except OSError as err:
                 raise ValueError(f"cannot load the text encoder {config.name!r}: {str(err).splitlines()[0]}") from None
         else:
@@ -76,6 +84,14 @@ class TextEncoder(nn.Module):
             self.model.pooler = None  # unused: we pool after fusion
         if config.freeze:
             self.model.requires_grad_(False)
+        self.cache = FeatureCache() if config.freeze and config.cache_features else None
+
+    def train(self, mode: bool = True) -> "TextEncoder":
+        """``self.training`` follows the model; a frozen transformer stays in eval mode (no dropout)."""
+        super().train(mode)
+        if self.config.freeze:
+            self.model.eval()
+        return self
 
     @property
     def width(self) -> int:
@@ -86,5 +102,24 @@ class TextEncoder(nn.Module):
         return self.model.get_input_embeddings()(input_ids)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``input_ids``, ``attention_mask`` (B, L) -> hidden states (B, L, width)."""
+        """``input_ids``, ``attention_mask`` (B, L) -> hidden states (B, L, width).
+
+        In training, a frozen encoder with a cache runs only on questions it has not seen before;
+        their padding positions are then zeros (padding is masked everywhere downstream).
+        """
+        if self.cache is None or not self.training:
+            return self._encode(input_ids, attention_mask)
+        real = attention_mask.bool()
+        keys = [tuple(ids[keep].tolist()) for ids, keep in zip(input_ids, real)]
+
+        def compute(new: list[int]) -> list[torch.Tensor]:
+            states = self._encode(input_ids[new], attention_mask[new])
+            return [s[keep] for s, keep in zip(states, real[new])]  # each (real tokens, width)
+
+        rows = self.cache.get(keys, compute)
+        states = rows[0].new_zeros(*input_ids.shape, self.width)  # (B, L, width)
+        states[real] = torch.cat(rows)
+        return states
+
+    def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

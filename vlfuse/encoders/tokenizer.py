@@ -8,6 +8,8 @@ from typing import Iterable
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from vlfuse.encoders.installed import resolve_model_name
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 
 
@@ -41,8 +43,8 @@ def build_word_tokenizer(questions: Iterable[str], max_length: int) -> PreTraine
 
 
 def load_tokenizer(name_or_dir: str):
-    """A saved or pretrained tokenizer, by hub name or local directory."""
+    """A saved or pretrained tokenizer, by hub name, local directory or ``package:`` name."""
     try:
-        return AutoTokenizer.from_pretrained(name_or_dir)
+        return AutoTokenizer.from_pretrained(resolve_model_name(name_or_dir))
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot load a tokenizer from {name_or_dir!r}: {str(err).splitlines()[0]}") from None

@@ -1,0 +1,89 @@
+"""Epoch time of training with frozen encoders, with and without the feature cache, side by side.
+
+Builds a config's model twice with both encoders frozen, once with ``cache_features`` and once
+without (same seed, same weights), and trains them on the same easy-VQA batches, alternating
+epoch by epoch so that machine noise hits both alike. Each epoch runs the real DataLoader
+(image decoding included), forward, backward and AdamW. Prints each epoch's seconds and the
+ratio no-cache / cache for the epochs after the first (the first fills the cache).
+
+    .venv/bin/python scripts/bench_feature_cache.py --config configs/easy_vqa_minilm.yaml --limit-images 200
+    # a pretrained-size image encoder (timm's own sizes) instead of the config's small one:
+    .venv/bin/python scripts/bench_feature_cache.py --config configs/easy_vqa_minilm.yaml --image-encoder vit_small_patch16_224
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from bench_training import train_step
+
+from vlfuse.datamodules import EasyVQADataModule
+from vlfuse.model import VLFuseConfig, VLFuseModel
+
+
+def frozen(architecture: VLFuseConfig, cache: bool, image_encoder: str | None) -> VLFuseConfig:
+    image = architecture.image
+    if image_encoder:
+        image = dataclasses.replace(image, name=image_encoder, patch_size=None, width=None, depth=None, num_heads=None)
+    return dataclasses.replace(
+        architecture,
+        image=dataclasses.replace(image, freeze=True, cache_features=cache),
+        text=dataclasses.replace(architecture.text, freeze=True, cache_features=cache),
+    )
+
+
+def train_epoch(model: VLFuseModel, optimizer: torch.optim.Optimizer, loader) -> float:
+    """Seconds of one training epoch over ``loader``."""
+    model.train()
+    start = time.perf_counter()
+    for batch in loader:
+        train_step(model, optimizer, {**batch, **model.tokenize(batch["questions"])})
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path("configs/easy_vqa.yaml"))
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per model (the first fills the cache)")
+    parser.add_argument("--limit-images", type=int, default=400, help="training images (each with its questions)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--image-encoder", help="a timm ViT at its own sizes instead of the config's image encoder")
+    args = parser.parse_args()
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2: the cache pays off from the second epoch")
+
+    architecture = VLFuseConfig.from_dict(yaml.safe_load(args.config.read_text())["model"]["architecture"])
+    data = EasyVQADataModule(
+        batch_size=args.batch_size, limit_images=args.limit_images, image_size=architecture.image.image_size
+    )
+    models, optimizers = {}, {}
+    for name, cache in (("no cache", False), ("cache", True)):
+        torch.manual_seed(0)
+        models[name] = VLFuseModel.from_config(frozen(architecture, cache, args.image_encoder), data.answers, data.train_questions)
+        trainable = [p for p in models[name].parameters() if p.requires_grad]
+        optimizers[name] = torch.optim.AdamW(trainable, lr=1e-4)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for epoch in range(args.epochs):
+        order = list(models) if epoch % 2 == 0 else list(reversed(models))
+        for name in order:
+            loader = data.train_dataloader()  # the same shuffled order for both: one seed
+            times[name].append(train_epoch(models[name], optimizers[name], loader))
+        print(f"epoch {epoch}: " + ", ".join(f"{name} {times[name][-1]:.2f} s" for name in models), flush=True)
+    later = {name: statistics.median(t[1:]) for name, t in times.items()}
+    print(
+        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {args.config} with both encoders frozen"
+        f"{f' (image encoder {args.image_encoder})' if args.image_encoder else ''}; "
+        f"{len(data.records('train'))} images, {data.dataset('train').num_questions} questions per epoch"
+    )
+    print(f"epochs after the first (median): no cache {later['no cache']:.2f} s, cache {later['cache']:.2f} s; "
+          f"ratio {later['no cache'] / later['cache']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
