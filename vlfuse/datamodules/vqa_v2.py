@@ -74,7 +74,7 @@ class VQAv2DataModule(VQADataModule):
         root = self.data_dir
         questions = root / self.questions_file.format(split=split)
         annotations = root / self.annotations_file.format(split=split)
-        missing = next((path for path in (questions, annotations) if not path.is_file()), None)
+        missing = next((path for path in (annotations, questions) if not path.is_file()), None)
         if missing is not None:
             raise FileNotFoundError(
                 f"VQA v2 file not found: {missing}: set --data.init_args.data_dir to the folder that holds VQA v2 "
