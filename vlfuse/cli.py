@@ -18,7 +18,7 @@ import textwrap
 from typing import NamedTuple
 
 import vlfuse
-from vlfuse.errors import error_line, unwrap_union
+from vlfuse.errors import error_line
 
 
 class Subcommand(NamedTuple):
@@ -139,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_subcommand(args, argv)
     except Exception as err:
         line = error_line(err, args[0])
-        inner = unwrap_union(err)
-        if line is None and isinstance(inner, USER_ERRORS):
-            line = one_line(inner, args[0], args)
+        if line is None and isinstance(err, USER_ERRORS):
+            line = one_line(err, args[0], args)
         if line is None or os.environ.get("VLFUSE_DEBUG"):
             raise
         print(f"vlfuse: error: {line}", file=sys.stderr)
