@@ -16,6 +16,7 @@ from typing import Callable, TypeVar
 from urllib.parse import urlparse
 
 from vlfuse.encoders.installed import resolve_model_name
+from vlfuse.errors import first_line
 
 Loaded = TypeVar("Loaded")
 
@@ -106,4 +107,4 @@ def load_named(load: Callable[[str], Loaded], name: str, what: str) -> Loaded:
     except (OSError, ValueError) as err:
         if from_hub and constants.HF_HUB_OFFLINE:
             raise ValueError(weights_not_fetched("model.architecture.text.name", name, TEXT_LOCAL)) from None
-        raise ValueError(f"cannot load {what} from {name!r}: {str(err).splitlines()[0]}") from None
+        raise ValueError(f"cannot load {what} from {name!r}: {first_line(err)}") from None

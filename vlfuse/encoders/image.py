@@ -11,6 +11,7 @@ from torch import nn
 
 from vlfuse.encoders.cache import FeatureCache, tensor_key
 from vlfuse.encoders.hub import use_cache_if_hub_unreachable, weights_not_fetched
+from vlfuse.errors import first_line
 
 
 @dataclass
@@ -138,5 +139,4 @@ def hub_failure(name: str, err: OSError) -> str:
     if constants.HF_HUB_OFFLINE:
         local = "--model.architecture.image.weights_file FILE (timm's safetensors or .pth of the same model)"
         return weights_not_fetched("model.architecture.image.pretrained", name, local)
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return f"cannot load the pretrained weights of the image encoder {name!r}: {first}"
+    return f"cannot load the pretrained weights of the image encoder {name!r}: {first_line(err)}"
