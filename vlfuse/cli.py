@@ -18,6 +18,7 @@ import textwrap
 from typing import NamedTuple
 
 import vlfuse
+from vlfuse.errors import error_line
 
 
 class Subcommand(NamedTuple):
@@ -136,10 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run_subcommand(args, argv)
-    except USER_ERRORS as err:
-        if os.environ.get("VLFUSE_DEBUG"):
+    except Exception as err:
+        line = error_line(err, args[0])
+        if line is None and isinstance(err, USER_ERRORS):
+            line = one_line(err, args[0], args)
+        if line is None or os.environ.get("VLFUSE_DEBUG"):
             raise
-        print(f"vlfuse: error: {one_line(err, args[0], args)}", file=sys.stderr)
+        print(f"vlfuse: error: {line}", file=sys.stderr)
         return 2
 
 

@@ -6,6 +6,7 @@ subcommands.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Optional
 
 from lightning.pytorch import Trainer
@@ -20,6 +21,12 @@ from vlfuse.resume import SIGTERM_EXIT_CODE, ResumeTraining, default_checkpoint_
 from vlfuse.runtime import set_threads
 
 SUBCOMMANDS = ("fit", "validate", "test")
+
+
+def smoke_run_dir(default_root_dir: str | None) -> str:
+    """``<default_root_dir>/fast_dev_run``: where a ``--trainer.fast_dev_run`` run writes its checkpoints
+    and model, so that a smoke run never replaces a real run's."""
+    return os.path.join(default_root_dir or os.getcwd(), "fast_dev_run")
 
 
 class VLFuseCLI(LightningCLI):
@@ -49,8 +56,12 @@ class VLFuseCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand]
         set_threads(config.threads)
+        root = config.trainer.default_root_dir
+        if config.trainer.fast_dev_run:  # a smoke run leaves the real run's checkpoints and model alone
+            root = smoke_run_dir(root)
+            config.export.dirpath = config.export.dirpath or os.path.join(root, "model")
         if config.checkpoint.dirpath is None:  # not the logger's new version folder: --ckpt_path last finds it
-            config.checkpoint.dirpath = default_checkpoint_dir(config.trainer.default_root_dir)
+            config.checkpoint.dirpath = default_checkpoint_dir(root)
 
     def after_fit(self) -> None:
         """With ``test_after_fit``, test the best checkpoint and print one summary line.

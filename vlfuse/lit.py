@@ -225,7 +225,8 @@ class ExportBestModel(Callback):
 
     Args:
         dirpath: where to write the model; default ``<trainer.default_root_dir>/model`` (for
-            ``configs/easy_vqa.yaml``, ``runs/easy_vqa/model``: a later run replaces it).
+            ``configs/easy_vqa.yaml``, ``runs/easy_vqa/model``: a later run replaces it). ``vlfuse fit
+            --trainer.fast_dev_run true`` sets ``<trainer.default_root_dir>/fast_dev_run/model``.
     """
 
     def __init__(self, dirpath: str | None = None) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
 import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -75,6 +77,8 @@ class ResumeTraining(Callback):
     - on SIGTERM (what a cluster scheduler sends before it stops a job), ``last.ckpt`` in the
       ModelCheckpoint's folder, written after the batch in progress; ``vlfuse fit ... --ckpt_path
       last`` resumes from it;
+    - on Ctrl-C during ``fit``, a line that names the last checkpoint and says how to resume
+      (:func:`interrupted`);
     - the training loader's saved place, applied when training starts: Lightning 2.6 drops it when
       ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``, as ours does (Lightning
       issue #20550); with a Lightning that applies it, this is a no-op.
@@ -99,14 +103,36 @@ class ResumeTraining(Callback):
             self._rng_to_restore = None
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, SIGTERMException):
-            return
-        checkpoint = trainer.checkpoint_callback
-        folder = checkpoint.dirpath if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath else None
-        folder = folder or default_checkpoint_dir(trainer.default_root_dir)
-        path = os.path.join(folder, ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION)
-        trainer.save_checkpoint(path)
-        rank_zero_info(
-            f"vlfuse: stopped by SIGTERM at step {trainer.global_step}; saved {path}: "
-            "resume with the same command and --ckpt_path last"
-        )
+        if isinstance(exception, SIGTERMException):
+            path = last_checkpoint_path(trainer)
+            trainer.save_checkpoint(path)
+            rank_zero_info(
+                f"vlfuse: stopped by SIGTERM at step {trainer.global_step}; saved {path}: "
+                "resume with the same command and --ckpt_path last"
+            )
+        elif isinstance(exception, KeyboardInterrupt) and trainer.state.fn == TrainerFn.FITTING and trainer.is_global_zero:
+            print(f"vlfuse: {interrupted(trainer)}", file=sys.stderr)
+
+
+def last_checkpoint_path(trainer: L.Trainer) -> str:
+    """``last.ckpt`` in the folder of the trainer's ModelCheckpoint (default :func:`default_checkpoint_dir`)."""
+    checkpoint = trainer.checkpoint_callback
+    folder = checkpoint.dirpath if isinstance(checkpoint, ModelCheckpoint) and checkpoint.dirpath else None
+    folder = folder or default_checkpoint_dir(trainer.default_root_dir)
+    return os.path.join(folder, ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION)
+
+
+def interrupted(trainer: L.Trainer) -> str:
+    """What Ctrl-C during ``fit`` leaves: the last checkpoint and how to resume from it.
+
+    No checkpoint is saved at the interrupt itself: Ctrl-C can land in the middle of an optimizer
+    step. SIGTERM stops after the batch in progress and saves one there.
+    """
+    path = last_checkpoint_path(trainer)
+    step = f"interrupted (Ctrl-C) at step {trainer.global_step}"
+    if not os.path.isfile(path):
+        return f"{step}, before any checkpoint was saved: nothing to resume"
+    return (
+        f"{step}; the last checkpoint is {path}: resume with the same command and --ckpt_path last "
+        "(docs/resume.md; kill -TERM <pid> instead of Ctrl-C saves one at the current step)"
+    )

@@ -28,7 +28,8 @@ class VQADataModule(L.LightningDataModule):
         batch_size: images per batch (each brings all its questions).
         image_size: side the images are resized to; ``None`` takes the model's.
         num_workers: DataLoader worker processes.
-        limit_images: keep only the first N images of each split (quick runs and tests).
+        limit_images: keep only the first N images of each split (quick runs and tests); ``None``
+            keeps them all.
         seed: seed of any random split a subclass makes, and of the training order when no run
             seed is set (``seed_everything``, whose seed takes precedence, as in Lightning's own
             DistributedSampler).
@@ -43,8 +44,15 @@ class VQADataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        if type(self) is VQADataModule:
+            raise ValueError(
+                "VQADataModule is the base class of the datamodules: give a dataset with --config "
+                "configs/easy_vqa.yaml (or any config in configs/) or --data, e.g. --data vlfuse.datamodules.EasyVQADataModule"
+            )
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if limit_images is not None and limit_images < 1:
+            raise ValueError(f"limit_images must be at least 1 (or null for every image), got {limit_images}")
         self.batch_size = batch_size
         self.image_size = image_size
         self.num_workers = num_workers

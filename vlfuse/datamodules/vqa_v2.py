@@ -72,12 +72,17 @@ class VQAv2DataModule(VQADataModule):
     def load_official(self, split: str) -> VQAv2Data:
         """Every image of an official split (``train2014``, ``val2014``, ...) with its questions."""
         root = self.data_dir
+        questions = root / self.questions_file.format(split=split)
+        annotations = root / self.annotations_file.format(split=split)
+        missing = next((path for path in (annotations, questions) if not path.is_file()), None)
+        if missing is not None:
+            raise FileNotFoundError(
+                f"VQA v2 file not found: {missing}: set --data.init_args.data_dir to the folder that holds VQA v2 "
+                f"(now {str(root)!r}; docs/datasets.md says what to download)"
+            )
         return load_vqa_v2(
-            root / self.questions_file.format(split=split),
-            root / self.annotations_file.format(split=split),
-            root / self.image_dir.format(split=split),
-            image_pattern=self.image_pattern,
-            skip_bad=self.skip_bad,
+            questions, annotations, root / self.image_dir.format(split=split),
+            image_pattern=self.image_pattern, skip_bad=self.skip_bad,
         )
 
     @cached_property

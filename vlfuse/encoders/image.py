@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import timm
 import torch
 from torch import nn
 
 from vlfuse.encoders.cache import FeatureCache, tensor_key
+from vlfuse.encoders.hub import use_cache_if_hub_unreachable, weights_not_fetched
+from vlfuse.errors import first_line
 
 
 @dataclass
@@ -73,9 +76,19 @@ class ImageEncoder(nn.Module):
         extra = {"pretrained_cfg_overlay": {"file": config.weights_file}} if pretrained and config.weights_file else {}
         if not timm.is_model(config.name):
             raise ValueError(f"timm does not know the image encoder {config.name!r} (see timm.list_models())")
-        self.vit = timm.create_model(
-            config.name, pretrained=pretrained, num_classes=0, img_size=config.image_size, **overrides, **extra
-        )
+        if pretrained and config.weights_file and not Path(config.weights_file).is_file():
+            raise ValueError(f"model.architecture.image.weights_file: no such file {config.weights_file!r}")
+        from_hub = pretrained and not config.weights_file
+        if from_hub:
+            use_cache_if_hub_unreachable()
+        try:
+            self.vit = timm.create_model(
+                config.name, pretrained=pretrained, num_classes=0, img_size=config.image_size, **overrides, **extra
+            )
+        except OSError as err:  # huggingface_hub's errors: no connection, not in the cache, no such repository
+            if not from_hub:
+                raise
+            raise ValueError(hub_failure(config.name, err)) from err
         if not hasattr(self.vit, "forward_features") or not hasattr(self.vit, "patch_embed"):
             raise ValueError(f"image encoder {config.name!r} is not a vision transformer with patch tokens")
         self.register_buffer("mean", torch.tensor(config.mean).view(1, 3, 1, 1), persistent=False)
@@ -117,3 +130,13 @@ class ImageEncoder(nn.Module):
 
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.vit.forward_features((pixels - self.mean) / self.std)
+
+
+def hub_failure(name: str, err: OSError) -> str:
+    """The line for timm weights ``name`` that the hub did not give."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        local = "--model.architecture.image.weights_file FILE (timm's safetensors or .pth of the same model)"
+        return weights_not_fetched("model.architecture.image.pretrained", name, local)
+    return f"cannot load the pretrained weights of the image encoder {name!r}: {first_line(err)}"

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from vlfuse.encoders.cache import FeatureCache
-from vlfuse.encoders.installed import resolve_model_name
+from vlfuse.encoders.hub import load_named
 
 
 @dataclass
@@ -74,10 +74,7 @@ class TextEncoder(nn.Module):
         if hf_config is not None:
             self.model = AutoModel.from_config(hf_config)
         elif config.name is not None:
-            try:
-                self.model = AutoModel.from_pretrained(resolve_model_name(config.name))
-            except OSError as err:
-                raise ValueError(f"cannot load the text encoder {config.name!r}: {str(err).splitlines()[0]}") from None
+            self.model = load_named(AutoModel.from_pretrained, config.name, "the text encoder")
         else:
             raise ValueError("a from-scratch text encoder needs its transformers config")
         if getattr(self.model, "pooler", None) is not None:

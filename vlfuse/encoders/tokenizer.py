@@ -8,7 +8,7 @@ from typing import Iterable
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from vlfuse.encoders.installed import resolve_model_name
+from vlfuse.encoders.hub import load_named
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 
@@ -44,7 +44,4 @@ def build_word_tokenizer(questions: Iterable[str], max_length: int) -> PreTraine
 
 def load_tokenizer(name_or_dir: str):
     """A saved or pretrained tokenizer, by hub name, local directory or ``package:`` name."""
-    try:
-        return AutoTokenizer.from_pretrained(resolve_model_name(name_or_dir))
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot load a tokenizer from {name_or_dir!r}: {str(err).splitlines()[0]}") from None
+    return load_named(AutoTokenizer.from_pretrained, name_or_dir, "a tokenizer")
