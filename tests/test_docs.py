@@ -101,6 +101,13 @@ def code_blocks(path: Path) -> list[Block]:
 
 
 BLOCKS = [block for path in DOCUMENTS for block in code_blocks(path)]
+SLOW_DOCUMENTS = {"results.md"}
+"""Documents whose blocks run only with ``-m slow``: the results log's reproduction commands retrain
+and re-measure (about 5 of the runner's 12 minutes on 2 loaded cores), and no later block needs them."""
+BLOCK_CASES = [
+    pytest.param(block, id=block.name, marks=[pytest.mark.slow] if block.path.name in SLOW_DOCUMENTS else [])
+    for block in BLOCKS
+]
 
 
 def command_lines(code: str) -> list[str]:
@@ -218,7 +225,7 @@ def test_every_document_has_examples_and_the_rules_apply():
     assert resumed.endswith("--trainer.max_epochs=1 --model.architecture.fusion_depth=2 --trainer.max_epochs=2")
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[block.name for block in BLOCKS])
+@pytest.mark.parametrize("block", BLOCK_CASES)
 def test_documented_example_runs(block, workspace):
     if block.language == "python":
         assert_ran(run([str(workspace / ".venv/bin/python"), "-"], workspace, stdin=block.code), block.name)
