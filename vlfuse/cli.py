@@ -12,13 +12,12 @@ import argparse
 import difflib
 import importlib
 import os
-import re
 import sys
 import textwrap
 from typing import NamedTuple
 
 import vlfuse
-from vlfuse.errors import error_line
+from vlfuse.errors import error_line, one_line
 
 
 class Subcommand(NamedTuple):
@@ -95,23 +94,6 @@ def unknown_subcommand(name: str) -> str:
     close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
     guess = f" (did you mean '{close[0]}'?)" if close else ""
     return f"unknown subcommand '{name}'{guess}; the subcommands are {', '.join(SUBCOMMANDS)} (vlfuse --help)"
-
-
-def one_line(err: BaseException, subcommand: str, args: list[str]) -> str:
-    """The message of a user error on one line; a missing dataset says which config to give."""
-    message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-    if isinstance(err, argparse.ArgumentError) and f"{subcommand}.data" in message and "--config" not in args:
-        return "no data given: give --config configs/easy_vqa.yaml (or any config in configs/)"
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    if not lines:
-        return type(err).__name__
-    given = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Given value:")]
-    expected = [match.group(1) for line in lines if (match := re.match(r"- Expected an? <class '(\w+)'>", line))]
-    first = lines[0].rstrip(":")
-    if given:  # jsonargparse: 'Parser key "trainer.max_epochs":' then the types tried, one per line
-        wanted = f", expected {' or '.join(expected)}" if expected else ""
-        return f"{first}: invalid value {given[0]!r}{wanted}"
-    return first + (" (VLFUSE_DEBUG=1 shows the details)" if len(lines) > 1 else "")
 
 
 def run_subcommand(args: list[str], argv: list[str] | None) -> int:

@@ -10,6 +10,7 @@ Lightning.
 
 from __future__ import annotations
 
+import argparse
 import re
 
 UNION_DUMP = "Does not validate against any of the Union subtypes"
@@ -71,10 +72,33 @@ def missing_metric(message: str) -> str | None:
     return None
 
 
+def message_lines(message: str) -> list[str]:
+    """The non-empty lines of ``message``, stripped."""
+    return [line.strip() for line in message.strip().splitlines() if line.strip()]
+
+
 def first_line(err: BaseException) -> str:
     """The first non-empty line of ``err``'s message, or its type's name when it has none."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    lines = message_lines(str(err))
     return lines[0].rstrip(":") if lines else type(err).__name__
+
+
+def one_line(err: BaseException, subcommand: str, args: list[str]) -> str:
+    """The message of a user error (``ValueError``, ``FileNotFoundError``, ``KeyError``, a parser's
+    ``ArgumentError``) on one line; a missing dataset says which config to give."""
+    message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+    if isinstance(err, argparse.ArgumentError) and f"{subcommand}.data" in message and "--config" not in args:
+        return "no data given: give --config configs/easy_vqa.yaml (or any config in configs/)"
+    lines = message_lines(message)
+    if not lines:
+        return type(err).__name__
+    given = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Given value:")]
+    expected = [match.group(1) for line in lines if (match := re.match(r"- Expected an? <class '(\w+)'>", line))]
+    first = lines[0].rstrip(":")
+    if given:  # jsonargparse: 'Parser key "trainer.max_epochs":' then the types tried, one per line
+        wanted = f", expected {' or '.join(expected)}" if expected else ""
+        return f"{first}: invalid value {given[0]!r}{wanted}"
+    return first + (" (VLFUSE_DEBUG=1 shows the details)" if len(lines) > 1 else "")
 
 
 def error_line(err: BaseException, subcommand: str) -> str | None:
