@@ -1,8 +1,6 @@
 """Predictor and ``vlfuse predict``: answers equal the model's own, images encoded once, bad input reported."""
 
-import importlib.util
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from vlfuse.layers import attention as attention_module
 from vlfuse.model import VLFuseModel
 from vlfuse.predict import Predictor, PredictWarning
 
-from conftest import REPO, tiny_config
+from conftest import load_script, tiny_config
 
 ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
 QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a blue shape?", "what shape is it?"]
@@ -494,10 +492,7 @@ def test_cli_single_pair_says_where_the_attention_maps_are(model_dir, images, tm
 
 # ------------------------------------------------------------------------------- the benchmark
 def test_benchmark_runs_every_case_and_prints_a_table(model_dir, capsys):
-    spec = importlib.util.spec_from_file_location("bench_predict", REPO / "scripts" / "bench_predict.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_predict")
     args = ["--model", str(model_dir), "--images", "2", "--questions-per-image", "3", "--batch-sizes", "1", "4",
             "--repeats", "2", "--warmup", "0", "--threads", "1", "2", "--busy", "1"]
     samples = bench.main(args)
