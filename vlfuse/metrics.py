@@ -6,25 +6,7 @@ import torch
 from torchmetrics import Metric
 
 from vlfuse.data.dataset import NO_ANSWER
-
-
-def soft_accuracy(matches: torch.Tensor, humans: torch.Tensor) -> torch.Tensor:
-    """The official VQA soft accuracy from counts: per question, ``min(#matching humans / 3, 1)``
-    averaged over the leave-one-out subsets of its ``humans`` answers.
-
-    Leaving out a matching annotator leaves ``matches - 1`` matches, leaving out another leaves
-    ``matches``. With m of 10 humans matching: 0, 0.3, 0.6, 0.9, then 1 for m >= 4. A question with
-    one human answer scores ``matches`` (there is no subset to leave out).
-
-    Args:
-        matches: ``(Bq,)`` humans whose answer equals the prediction.
-        humans: ``(Bq,)`` human answers of each question (at least 1).
-    """
-    matches, humans = matches.double(), humans.double()
-    left_out_match = (matches - 1).clamp(min=0).div(3).clamp(max=1)
-    left_out_other = matches.div(3).clamp(max=1)
-    averaged = (matches * left_out_match + (humans - matches) * left_out_other) / humans
-    return torch.where(humans == 1, matches, averaged)
+from vlfuse.data.vqa_v2 import soft_accuracy
 
 
 class VQASoftAccuracy(Metric):

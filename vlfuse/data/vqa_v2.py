@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import torch
+
 from vlfuse.data.records import ImageQuestions
 
 logger = logging.getLogger(__name__)
@@ -108,11 +110,26 @@ def vqa_accuracy(prediction: str, human_answers: Sequence[str], *, normalize: bo
         prediction = normalize_answer(prediction)
         human_answers = [normalize_answer(a) for a in human_answers]
     matches = sum(a == prediction for a in human_answers)
-    if len(human_answers) == 1:
-        return float(matches)
-    # leaving out a matching annotator leaves matches - 1 matches, leaving out another leaves matches
-    total = matches * min(1.0, (matches - 1) / 3) + (len(human_answers) - matches) * min(1.0, matches / 3)
-    return total / len(human_answers)
+    return soft_accuracy(torch.tensor([matches]), torch.tensor([len(human_answers)])).item()
+
+
+def soft_accuracy(matches: torch.Tensor, humans: torch.Tensor) -> torch.Tensor:
+    """The official VQA soft accuracy from counts: per question, ``min(#matching humans / 3, 1)``
+    averaged over the leave-one-out subsets of its ``humans`` answers.
+
+    Leaving out a matching annotator leaves ``matches - 1`` matches, leaving out another leaves
+    ``matches``. With m of 10 humans matching: 0, 0.3, 0.6, 0.9, then 1 for m >= 4. A question with
+    one human answer scores ``matches`` (there is no subset to leave out).
+
+    Args:
+        matches: ``(Bq,)`` humans whose answer equals the prediction.
+        humans: ``(Bq,)`` human answers of each question (at least 1).
+    """
+    matches, humans = matches.double(), humans.double()
+    left_out_match = (matches - 1).clamp(min=0).div(3).clamp(max=1)
+    left_out_other = matches.div(3).clamp(max=1)
+    averaged = (matches * left_out_match + (humans - matches) * left_out_other) / humans
+    return torch.where(humans == 1, matches, averaged)
 
 
 def majority_answer(answers: Sequence[str]) -> str:
