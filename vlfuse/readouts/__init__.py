@@ -4,6 +4,7 @@ Select one by name in the model config (``readout: pool``); add one with :func:`
 """
 
 from vlfuse.readouts.base import READOUTS, Readout, encode_distinct, get_readout, register_readout
+from vlfuse.readouts.bilinear import BilinearReadout
 from vlfuse.readouts.map_program import (
     OPERATIONS,
     ExistenceClassifier,
@@ -17,6 +18,7 @@ from vlfuse.readouts.pool import PoolReadout, masked_mean
 __all__ = [
     "OPERATIONS",
     "READOUTS",
+    "BilinearReadout",
     "ExistenceClassifier",
     "MapProgramReader",
     "MapProgramReadout",
