@@ -197,7 +197,7 @@ class VLFuseLitModule(L.LightningModule):
         for name, param in self.model.named_parameters():
             if not param.requires_grad:
                 continue
-            if param.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "reg_token", "sink.key", "sink.value")):
+            if param.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "reg_token")):
                 no_decay.append(param)
             else:
                 decay.append(param)

@@ -56,8 +56,6 @@ class VLFuseConfig:
             explicit attention path in training, to materialise its weights.
         output_gate: the fusion attentions multiply each head's output by a sigmoid gate computed
             from the query token (see :class:`~vlfuse.layers.CrossAttention`).
-        attention_sink: the fusion cross-attentions may attend a learned "nothing here" key/value
-            besides the image tokens (see :class:`~vlfuse.layers.attention.AttentionSink`).
         mlp_type: the fusion MLPs: ``gelu`` (Linear-GELU-Linear) or ``swiglu`` (gated, see
             :class:`~vlfuse.layers.SwiGLU`).
         readout: the name of the part that turns the question into answer scores (see
@@ -86,7 +84,6 @@ class VLFuseConfig:
     attention_normalizer: Literal["softmax", "leaky_relu"] = "softmax"
     diversity_weight: float = 0.0
     output_gate: bool = False
-    attention_sink: bool = False
     mlp_type: Literal["gelu", "swiglu"] = "gelu"
     readout: str = "pool"
     pruned_heads: dict[str, list[int]] = field(default_factory=dict)
@@ -113,7 +110,6 @@ FUSION_OPTIONS = (
     "attention_normalizer",
     "diversity_weight",
     "output_gate",
-    "attention_sink",
     "mlp_type",
     "pruned_heads",
 )
@@ -284,7 +280,6 @@ class VLFuseModel(nn.Module):
                 gated=config.gated,
                 attention_normalizer=config.attention_normalizer,
                 output_gate=config.output_gate,
-                attention_sink=config.attention_sink,
                 mlp_type=config.mlp_type,
             )
         self.readout = readout(

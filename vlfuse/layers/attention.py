@@ -11,7 +11,6 @@ In reading order:
 - :func:`attention_core`: ``normalize(Q K^T / sqrt(hd)) V``, through SDPA when it can;
 - :class:`KeyMask`: the one rule for a query that may attend no key;
 - :class:`OutputGate`: the query-dependent output gate;
-- :class:`AttentionSink`: a learned key/value every query may attend, "nothing here";
 - :class:`QueryGroups`: several query rows (questions) sharing one context row (image);
 - :class:`CrossAttention`: the layer.
 
@@ -186,43 +185,6 @@ class OutputGate(nn.Linear):
         return merged * torch.sigmoid(super().forward(x))
 
 
-class AttentionSink(nn.Module):
-    """A learned key and value per head, appended to every context: a place to put attention when
-    no image token matches the query (Xiao et al., 2024, "Efficient Streaming Language Models with
-    Attention Sinks"; Darcet et al., 2024, "Vision Transformers Need Registers").
-
-    Softmax weights always sum to 1 over the keys, so without a sink a query whose colour or shape
-    is absent from the image still reads *some* image token, and "is there a red shape?" must be
-    answered by comparing what was read with what was asked. With a sink the weight on the image,
-    ``1 - w_sink``, says directly how much of the image matched. Both parameters start at 0 (the
-    sink then scores 0 and adds nothing). The attention weights a layer returns leave the sink's
-    column out, so they sum to the share of attention that went to the image.
-
-    Args:
-        num_heads: heads of the layer.
-        head_dim: width of each head.
-    """
-
-    def __init__(self, num_heads: int, head_dim: int) -> None:
-        super().__init__()
-        self.key = nn.Parameter(torch.zeros(num_heads, head_dim))
-        self.value = nn.Parameter(torch.zeros(num_heads, head_dim))
-
-    def extend(self, kv: ProjectedContext) -> ProjectedContext:
-        """``kv`` with the sink appended as the last key: ``(B, H, Lk, hd) -> (B, H, Lk + 1, hd)``."""
-        b, h, _, hd = kv.key.shape
-        key = torch.cat([kv.key, self.key.view(1, h, 1, hd).expand(b, h, 1, hd)], dim=2)
-        value = torch.cat([kv.value, self.value.view(1, h, 1, hd).expand(b, h, 1, hd)], dim=2)
-        mask = None if kv.mask is None else F.pad(kv.mask, (0, 1), value=True)  # (B, Lk + 1)
-        return ProjectedContext(key, value, mask)
-
-    @torch.no_grad()
-    def keep_heads(self, keep: list[int]) -> None:
-        """Keep only the heads at positions ``keep`` (after pruning)."""
-        self.key = nn.Parameter(self.key[keep].clone(), requires_grad=self.key.requires_grad)
-        self.value = nn.Parameter(self.value[keep].clone(), requires_grad=self.value.requires_grad)
-
-
 class QueryGroups:
     """Lays the queries of all rows that share one context row side by side.
 
@@ -276,8 +238,6 @@ class CrossAttention(nn.Module):
         normalizer: how scores become weights, a name of :data:`NORMALIZERS`: ``"softmax"`` (the
             SDPA path) or ``"leaky_relu"`` (:func:`leaky_relu_normalize`, explicit path).
         output_gate: gate the heads' outputs by the query (:class:`OutputGate`, as ``gate_proj``).
-        attention_sink: every query may also attend a learned per-head key/value
-            (:class:`AttentionSink`, as ``sink``).
 
     Attributes:
         use_sdpa: set to False for the explicit reference path.
@@ -294,7 +254,6 @@ class CrossAttention(nn.Module):
         bias: bool = True,
         normalizer: Normalizer = "softmax",
         output_gate: bool = False,
-        attention_sink: bool = False,
     ) -> None:
         super().__init__()
         if normalizer not in NORMALIZERS:
@@ -315,7 +274,6 @@ class CrossAttention(nn.Module):
         self.kv_proj = nn.Linear(self.kv_dim, 2 * inner, bias=bias)  # rows: [keys; values]
         self.out_proj = nn.Linear(inner, dim, bias=bias)
         self.gate_proj = OutputGate(dim, inner) if output_gate else None
-        self.sink = AttentionSink(num_heads, self.head_dim) if attention_sink else None
         self.reset_parameters()
 
     @property
@@ -386,8 +344,6 @@ class CrossAttention(nn.Module):
         elif context_mask is not None:
             raise ValueError("context_mask belongs to project_context when kv is given")
         _check_queries(x, self.dim, kv, self.num_heads, context_index)
-        if self.sink is not None:
-            kv = self.sink.extend(kv)
         key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (Bc, 1, Lk)
         groups = None if context_index is None else QueryGroups(context_index, kv.batch_size)
         q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
@@ -399,8 +355,6 @@ class CrossAttention(nn.Module):
         if groups is not None:
             out = groups.ungroup(out, x.shape[1])
             weights = None if weights is None else groups.ungroup(weights, x.shape[1])
-        if weights is not None and self.sink is not None:
-            weights = weights[..., :-1]  # the image tokens' share; the sink's column is left out
         out = self._merge_heads(out, x, head_mask)  # (B, Lq, dim)
         if key_mask is not None:
             out, weights = key_mask.zero_empty(out, weights, rows=context_index)
@@ -448,8 +402,6 @@ class CrossAttention(nn.Module):
         self.out_proj = _slice_linear(self.out_proj, rows, dim=1)
         if self.gate_proj is not None:
             self.gate_proj = _slice_linear(self.gate_proj, rows, dim=0)
-        if self.sink is not None:
-            self.sink.keep_heads(keep)
         self.head_ids = [self.head_ids[i] for i in keep]
 
     @classmethod
@@ -464,8 +416,7 @@ class CrossAttention(nn.Module):
         text = f"dim={self.dim}, kv_dim={self.kv_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
         if self.normalizer != "softmax":
             text += f", normalizer={self.normalizer}"
-        text += ", output_gate=True" if self.gate_proj is not None else ""
-        return text + (", attention_sink=True" if self.sink is not None else "")
+        return text + (", output_gate=True" if self.gate_proj is not None else "")
 
 
 def _check_context(context: torch.Tensor, context_mask: torch.Tensor | None, kv_dim: int) -> None:

@@ -65,8 +65,6 @@ class FusionBlock(nn.Module):
             :class:`~vlfuse.layers.attention.CrossAttention`).
         output_gate: both attentions gate their heads' outputs by the query (see
             :class:`~vlfuse.layers.attention.CrossAttention`).
-        attention_sink: the cross-attention may also attend a learned "nothing here" key/value
-            (:class:`~vlfuse.layers.attention.AttentionSink`); the text self-attention never does.
         mlp_type: ``"gelu"`` (Linear-GELU-Linear) or ``"swiglu"`` (:class:`SwiGLU`, with two inner
             projections of the same hidden width).
         self_attn_layout: restrict the text self-attention to a local layout (e.g.
@@ -90,7 +88,6 @@ class FusionBlock(nn.Module):
         gated: bool = True,
         attention_normalizer: Normalizer = "softmax",
         output_gate: bool = False,
-        attention_sink: bool = False,
         mlp_type: str = "gelu",
         self_attn_layout: LocalLayout | None = None,
     ) -> None:
@@ -106,7 +103,7 @@ class FusionBlock(nn.Module):
             self.self_attn = LocalSelfAttention(dim, num_heads, layout=self_attn_layout, **attention)
         self.norm_self = nn.LayerNorm(dim) if self_attention else None
         self.norm_cross = nn.LayerNorm(dim)
-        self.cross_attn = CrossAttention(dim, num_heads, kv_dim=kv_dim, attention_sink=attention_sink, **attention)
+        self.cross_attn = CrossAttention(dim, num_heads, kv_dim=kv_dim, **attention)
         self.norm_mlp = nn.LayerNorm(dim)
         self.mlp = build_mlp(dim, mlp_ratio, mlp_type)
         self.drop = nn.Dropout(dropout)
