@@ -14,19 +14,8 @@ import argparse
 from _common import add_model_argument, load_model
 
 from vlfuse.analysis.grouped_accuracy import accuracy_by_group, accuracy_table
+from vlfuse.data.easy_vqa import question_kind
 from vlfuse.datamodules import EasyVQADataModule
-
-SHAPE_WORDS = ("circle", "rectangle", "triangle")
-
-
-def question_kind(question: str) -> str:
-    """The kind of an easy-VQA question (see the module docstring)."""
-    words = question.rstrip("?").split()
-    if words[0] == "what":
-        return "what colour" if "color" in words else "what shape"
-    subject = "shape" if any(w in SHAPE_WORDS for w in words) else "colour"
-    negated = " negated" if "not" in words or "no" in words else ""
-    return f"yes/no {subject}{negated}"
 
 
 def main() -> None:

@@ -39,3 +39,17 @@ def load_easy_vqa(split: str) -> list[ImageQuestions]:
         ImageQuestions(paths[image_id], qs, ans, image_id=f"{split}/{image_id}")
         for image_id, (qs, ans) in sorted(grouped.items())
     ]
+
+
+SHAPE_WORDS = ("circle", "rectangle", "triangle")
+
+
+def question_kind(question: str) -> str:
+    """The kind of an easy-VQA question: ``what colour``, ``what shape``, or ``yes/no colour`` /
+    ``yes/no shape``, with `` negated`` when the question has "not" or "no"."""
+    words = question.rstrip("?").split()
+    if words[0] == "what":
+        return "what colour" if "color" in words else "what shape"
+    subject = "shape" if any(w in SHAPE_WORDS for w in words) else "colour"
+    negated = " negated" if "not" in words or "no" in words else ""
+    return f"yes/no {subject}{negated}"
