@@ -15,7 +15,9 @@ from vlfuse.data.shapes import GRID, sample_scenes
 
 from test_shapes import scene_of
 
-ISSUE_EXAMPLE = "a red square is left of a blue circle . a blue circle is above a green triangle . there is a green triangle ."
+ISSUE_EXAMPLE = (
+    "a red square is left of a blue circle . a blue circle is above a green triangle . there is a green triangle ."
+)
 ISSUE_SCENE = scene_of("rs bc .", ". gt .", ". . .")
 
 

@@ -144,7 +144,8 @@ def parse_caption(text: str) -> list[Sentence]:
         try:
             sentences.append(parse_sentence(words))
         except ValueError as problem:
-            raise ValueError(f"caption sentence {number} {' '.join(words)!r} is not in the grammar: {problem}") from None
+            sentence = " ".join(words)
+            raise ValueError(f"caption sentence {number} {sentence!r} is not in the grammar: {problem}") from None
     return sentences
 
 

@@ -176,11 +176,16 @@ def _encode(texts: Sequence[str], dtype: torch.dtype, device: torch.device) -> t
     return torch.tensor(list(data), dtype=dtype, device=device)
 
 
-def _decode(state: list | torch.Tensor) -> list[str]:
-    """The texts of a state of :func:`_encode` tensors (a list of them, or one after a DDP gather)."""
+def _concatenated(state: list | torch.Tensor) -> torch.Tensor:
+    """A list state as one 1-D tensor: its tensors concatenated (a DDP sync leaves one already)."""
     if isinstance(state, list) and not state:
-        return []
-    data = bytes(dim_zero_cat(state).round().to(torch.uint8).tolist())
+        return torch.zeros(0)
+    return dim_zero_cat(state)
+
+
+def _decode(state: list | torch.Tensor) -> list[str]:
+    """The texts of a state of :func:`_encode` tensors."""
+    data = bytes(_concatenated(state).round().to(torch.uint8).tolist())
     return [text.decode("utf-8") for text in data.split(b"\0")[:-1]]
 
 
@@ -212,9 +217,8 @@ class CaptionScores(Metric):
 
     def compute(self) -> dict[str, torch.Tensor]:
         generated, flat = _decode(self.generated), _decode(self.references)
-        counts = [] if isinstance(self.reference_counts, list) and not self.reference_counts else dim_zero_cat(self.reference_counts)
         references, start = [], 0
-        for count in (int(c) for c in counts):
+        for count in _concatenated(self.reference_counts).round().int().tolist():
             references.append(flat[start : start + count])
             start += count
         scores = {"bleu4": bleu4(generated, references), "cider": cider_d(generated, references)}
