@@ -122,6 +122,21 @@ def test_the_training_loader_gives_each_image_a_different_caption_each_epoch(coc
         assert sorted(captions) == sorted(references[image_id])  # each of the 3 captions once in 3 epochs
 
 
+def test_a_resumed_training_loader_gives_the_captions_the_uninterrupted_one_would(coco_root):
+    def loader():
+        data = CocoCaptionsDataModule(str(coco_root), karpathy_split="dataset_coco.json", image_size=SIZE, batch_size=1)
+        return data.train_dataloader()
+
+    uninterrupted = loader()
+    uninterrupted.sampler.set_epoch(1)
+    captions = [batch["captions"] for batch in uninterrupted]
+    interrupted = iter(uninterrupted)
+    next(interrupted)
+    resumed = loader()
+    resumed.load_state_dict(uninterrupted.state_dict())  # one batch of epoch 1 handed out
+    assert [batch["captions"] for batch in resumed] == captions[1:]
+
+
 # --------------------------------------------------------------------------------- COCO files
 
 
