@@ -90,9 +90,9 @@ class ShapesCaptionsDataModule(CaptionDataModule):
     - 'val' and 'test' scenes come from fixed seeds, ``[1, 2026]`` and ``[2, 2026]``
       (:data:`SPLIT_STREAMS`, :data:`HELD_APART_SEED`): the same in every run, for a given count.
     - 'train' scenes come from ``[0, seed]`` and leave out every scene of 'val' and 'test', so no
-      held-apart scene is trained on. (Two random scenes are equal with probability about 2.6e-9, so
-      a few hundred of 20,000 training scenes would otherwise fall in a test set of 1,000 only
-      rarely; leaving them out makes it never.) 'val' and 'test' are not kept apart from each other.
+      held-apart scene is trained on. (Two random scenes are equal with probability 9^-9, so 20,000
+      training scenes would share one with 1,500 val and test scenes in about 7% of seeds.) 'val'
+      and 'test' are not kept apart from each other.
 
     Args:
         num_train_scenes, num_val_scenes, num_test_scenes: images of each split.
