@@ -166,6 +166,13 @@ def test_scene_caption_scores_micro_average_over_sentences_and_objects():
     assert scores["object_recall"].item() == pytest.approx(5 / 7)
 
 
+def test_caption_scores_check_each_batch_as_it_comes():
+    with pytest.raises(ValueError, match="image 0: references must be a non-empty list of captions, got 'a dog'"):
+        CaptionScores().update(["a dog"], ["a dog"])
+    with pytest.raises(ValueError, match="caption 0 must be a string without NUL characters"):
+        CaptionScores().update(["a\0dog"], [["a dog"]])
+
+
 def test_scene_caption_scores_want_one_caption_per_scene():
     with pytest.raises(ValueError, match="2 generated captions but 1 scenes"):
         SceneCaptionScores().update(["", ""], [ISSUE_SCENE])

@@ -64,13 +64,18 @@ def _ngrams(words: Sequence[str]) -> Counter:
     return Counter(tuple(words[i : i + n]) for n in range(1, MAX_N + 1) for i in range(len(words) - n + 1))
 
 
-def _tokenized(generated: Sequence[str], references: Sequence[Sequence[str]]) -> tuple[list, list]:
-    """Tokenise both sides, checking that they align and that every image has a reference."""
+def _check_aligned(generated: Sequence[str], references: Sequence[Sequence[str]]) -> None:
+    """One generated caption and a non-empty list of references per image."""
     if len(generated) != len(references):
         raise ValueError(f"{len(generated)} generated captions but {len(references)} reference lists")
     for i, refs in enumerate(references):
         if isinstance(refs, str) or not refs:
             raise ValueError(f"image {i}: references must be a non-empty list of captions, got {refs!r}")
+
+
+def _tokenized(generated: Sequence[str], references: Sequence[Sequence[str]]) -> tuple[list, list]:
+    """Both sides tokenised, after :func:`_check_aligned`."""
+    _check_aligned(generated, references)
     return [tokenize_caption(g) for g in generated], [[tokenize_caption(r) for r in refs] for refs in references]
 
 
@@ -209,7 +214,7 @@ class CaptionScores(Metric):
         self.add_state("reference_counts", default=[], dist_reduce_fx="cat")
 
     def update(self, generated: Sequence[str], references: Sequence[Sequence[str]]) -> None:
-        _tokenized(generated, references)  # the same checks as at compute(), while the batch is known
+        _check_aligned(generated, references)  # here, where the batch is known, rather than at compute()
         self.generated.append(_encode(generated, self.dtype, self.device))
         self.references.append(_encode([r for refs in references for r in refs], self.dtype, self.device))
         counts = [len(refs) for refs in references]
