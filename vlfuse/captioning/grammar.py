@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-from vlfuse.data.shapes import COLOURS, GRID, SHAPES, Scene
+from vlfuse.data.shapes import COLOURS, GRID, SHAPES, Scene, ShapeObject
 
 Thing = tuple[str, str]
 """``(colour, shape)``, e.g. ``("red", "square")``."""
@@ -55,11 +55,11 @@ def _noun(thing: Thing) -> str:
     return f"a {colour} {shape}"
 
 
-def _thing(cell) -> Thing:
+def _thing(cell: ShapeObject) -> Thing:
     return (cell.colour, cell.shape)
 
 
-def _cell(scene: Scene, row: int, col: int):
+def _cell(scene: Scene, row: int, col: int) -> Optional[ShapeObject]:
     """The object at (row, col), or ``None`` when the cell is empty or off the grid."""
     return scene[row][col] if 0 <= row < GRID and 0 <= col < GRID else None
 

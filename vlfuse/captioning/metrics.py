@@ -87,6 +87,8 @@ def bleu4(generated: Sequence[str], references: Sequence[Sequence[str]]) -> floa
         references: the reference captions of each image (at least one each).
     """
     candidates, reference_lists = _tokenized(generated, references)
+    if not candidates:
+        return 0.0
     matched, guessed = [0] * MAX_N, [0] * MAX_N
     candidate_length = reference_length = 0
     for words, refs in zip(candidates, reference_lists):
@@ -99,8 +101,6 @@ def bleu4(generated: Sequence[str], references: Sequence[Sequence[str]]) -> floa
             guessed[n - 1] += max(0, len(words) - n + 1)
         candidate_length += len(words)
         reference_length += min((abs(len(ref) - len(words)), len(ref)) for ref in refs)[1]
-    if not candidates:
-        return 0.0
     precision = math.prod((m + _TINY) / (g + _SMALL) for m, g in zip(matched, guessed))
     ratio = (candidate_length + _TINY) / (reference_length + _SMALL)
     brevity = math.exp(1 - 1 / ratio) if ratio < 1 else 1.0
