@@ -35,6 +35,9 @@ class VQADataModule(L.LightningDataModule):
             DistributedSampler).
     """
 
+    train_sampler_class: type[EpochShuffleSampler] = EpochShuffleSampler
+    """The training sampler (captioning uses a variant that tells the dataset the epoch)."""
+
     def __init__(
         self,
         batch_size: int = 32,
@@ -134,7 +137,7 @@ class VQADataModule(L.LightningDataModule):
         seed = int(os.environ.get("PL_GLOBAL_SEED", self.seed))  # set by seed_everything
         trainer = self.trainer
         replicas = dict(num_replicas=trainer.world_size, rank=trainer.global_rank) if trainer is not None else {}
-        sampler = EpochShuffleSampler(dataset, seed=seed, **replicas)
+        sampler = self.train_sampler_class(dataset, seed=seed, **replicas)
         return ResumableDataLoader(dataset, sampler, **self._loader_options())
 
     def val_dataloader(self) -> DataLoader:
