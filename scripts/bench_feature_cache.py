@@ -2,8 +2,9 @@
 
 Builds a config's model twice with both encoders frozen, once with ``cache_features`` and once
 without (same seed, same weights), and trains them on the same easy-VQA batches, alternating
-epoch by epoch so that machine noise hits both alike. Each epoch runs the real DataLoader
-(image decoding included), forward, backward and AdamW. Prints each epoch's seconds, the ratio
+epoch by epoch so that machine noise hits both alike. Each epoch runs what ``vlfuse fit`` runs:
+the real DataLoader (which stops decoding images once the cache holds them all, as after each
+training epoch of ``vlfuse fit``), tokenization, forward, backward and AdamW. Prints each epoch's seconds, the ratio
 no-cache / cache for the epochs after the first (the first fills the cache), and where the time
 of those epochs goes: loading the batches, tokenizing, the frozen encoders (or the cache
 lookups), the rest of the forward pass (projections, fusion blocks, readout, loss), the backward
@@ -29,6 +30,7 @@ import yaml
 
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.data import IGNORE_INDEX
+from vlfuse.data.resumable import ResumableDataLoader
 from vlfuse.datamodules import EasyVQADataModule
 from vlfuse.model import VLFuseConfig, VLFuseModel
 
@@ -75,21 +77,27 @@ class StageClock:
         self.seconds["rest of forward"] -= elapsed  # the encoders run inside the forward stage
 
 
-def train_epoch(model: VLFuseModel, optimizer: torch.optim.Optimizer, loader, clock: StageClock) -> dict[str, float]:
-    """Seconds of each stage of one training epoch over ``loader``."""
+def train_epoch(
+    model: VLFuseModel, optimizer: torch.optim.Optimizer, loader: ResumableDataLoader, epoch: int, clock: StageClock
+) -> dict[str, float]:
+    """Seconds of each stage of training epoch ``epoch`` over ``loader``."""
     model.train()
     clock.reset()
+    loader.sampler.set_epoch(epoch)
     batches = iter(loader)
     while True:
         with clock.stage("load"):
             batch = next(batches, None)
         if batch is None:
+            if model.image_encoder.cache is not None:  # as VLFuseLitModule.on_train_epoch_end
+                loader.dataset.decode_only_uncached(model.image_encoder.cache)
             return clock.seconds
         with clock.stage("tokenize"):
             tokens = model.tokenize(batch["questions"])
-        with clock.stage("rest of forward"):
+        with clock.stage("rest of forward"):  # as VLFuseLitModule's training step
+            context = model.encode_images(batch["pixel_values"], batch["image_keys"])
             logits = model(
-                batch["pixel_values"], tokens["input_ids"], tokens["attention_mask"], image_index=batch["image_index"]
+                None, tokens["input_ids"], tokens["attention_mask"], image_index=batch["image_index"], image_context=context
             ).logits
             loss = F.cross_entropy(logits, batch["labels"], ignore_index=IGNORE_INDEX)
         with clock.stage("backward"):
@@ -114,19 +122,20 @@ def main() -> None:
     data = EasyVQADataModule(
         batch_size=args.batch_size, limit_images=args.limit_images, image_size=architecture.image.image_size
     )
-    models, optimizers, clocks = {}, {}, {}
+    models, optimizers, loaders, clocks = {}, {}, {}, {}
     for name, cache in (("no cache", False), ("cache", True)):
         torch.manual_seed(0)
         models[name] = VLFuseModel.from_config(frozen(architecture, cache, args.image_encoder), data.answers, data.train_questions)
         trainable = [p for p in models[name].parameters() if p.requires_grad]
         optimizers[name] = torch.optim.AdamW(trainable, lr=1e-4)
+        loaders[name] = data.train_dataloader()  # the same shuffled order for both: one seed
         clocks[name] = StageClock(models[name])
     stages: dict[str, list[dict[str, float]]] = {name: [] for name in models}
     for epoch in range(args.epochs):
         order = list(models) if epoch % 2 == 0 else list(reversed(models))
         for name in order:
-            loader = data.train_dataloader()  # the same shuffled order for both: one seed
-            stages[name].append(dict(train_epoch(models[name], optimizers[name], loader, clocks[name])))
+            seconds = train_epoch(models[name], optimizers[name], loaders[name], epoch, clocks[name])
+            stages[name].append(dict(seconds))
         print(f"epoch {epoch}: " + ", ".join(f"{name} {sum(stages[name][-1].values()):.2f} s" for name in models), flush=True)
     later = {name: statistics.median(sum(s.values()) for s in epochs[1:]) for name, epochs in stages.items()}
     print(
