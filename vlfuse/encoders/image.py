@@ -129,9 +129,9 @@ class ImageEncoder(nn.Module):
         """
         if self.cache is None or not self.training:
             return self._encode(pixels_given(pixels))
-        if keys is None:
-            keys = [None] * len(pixels_given(pixels))
-        keys = [tensor_key(pixels_given(pixels)[i]) if key is None else key for i, key in enumerate(keys)]
+        if keys is None or None in keys:
+            pixels = pixels_given(pixels)
+            keys = [tensor_key(p) if key is None else key for p, key in zip(pixels, keys or [None] * len(pixels))]
         rows = self.cache.get(keys, lambda new: self._encode(pixels_given(pixels, keys[new[0]])[new]))
         return torch.stack(rows)
 
