@@ -96,9 +96,8 @@ def train_epoch(
             tokens = model.tokenize(batch["questions"])
         with clock.stage("rest of forward"):  # as VLFuseLitModule's training step
             context = model.encode_images(batch["pixel_values"], batch["image_keys"])
-            logits = model(
-                None, tokens["input_ids"], tokens["attention_mask"], image_index=batch["image_index"], image_context=context
-            ).logits
+            ids, mask = tokens["input_ids"], tokens["attention_mask"]
+            logits = model(None, ids, mask, image_index=batch["image_index"], image_context=context).logits
             loss = F.cross_entropy(logits, batch["labels"], ignore_index=IGNORE_INDEX)
         with clock.stage("backward"):
             loss.backward()
@@ -136,7 +135,8 @@ def main() -> None:
         for name in order:
             seconds = train_epoch(models[name], optimizers[name], loaders[name], epoch, clocks[name])
             stages[name].append(dict(seconds))
-        print(f"epoch {epoch}: " + ", ".join(f"{name} {sum(stages[name][-1].values()):.2f} s" for name in models), flush=True)
+        seconds = ", ".join(f"{name} {sum(stages[name][-1].values()):.2f} s" for name in models)
+        print(f"epoch {epoch}: {seconds}", flush=True)
     later = {name: statistics.median(sum(s.values()) for s in epochs[1:]) for name, epochs in stages.items()}
     print(
         f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {args.config} with both encoders frozen"

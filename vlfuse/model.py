@@ -323,13 +323,17 @@ class VLFuseModel(nn.Module):
         )
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
-    def encode_images(self, pixel_values: torch.Tensor | None, image_keys: Sequence[str | None] | None = None) -> ImageContext:
+    def encode_images(
+        self, pixel_values: torch.Tensor | None, image_keys: Sequence[str | None] | None = None
+    ) -> ImageContext:
         """Images ``(Bi, 3, S, S)`` in [0, 1] -> their :class:`ImageContext`, reusable for many questions:
         every fusion layer's keys/values and what the readout needs of them. The same as
         ``image_context(embed_images(pixel_values, image_keys))``."""
         return self.image_context(self.embed_images(pixel_values, image_keys))
 
-    def embed_images(self, pixel_values: torch.Tensor | None, image_keys: Sequence[str | None] | None = None) -> torch.Tensor:
+    def embed_images(
+        self, pixel_values: torch.Tensor | None, image_keys: Sequence[str | None] | None = None
+    ) -> torch.Tensor:
         """Images ``(Bi, 3, S, S)`` -> image tokens ``(Bi, Li, fusion_dim)``: the image encoder, projected.
         ``image_keys`` name the images for a frozen encoder's cache (see :meth:`ImageEncoder.forward`)."""
         return self.image_proj(self.image_encoder(pixel_values, image_keys))
