@@ -14,11 +14,12 @@ from torch.utils.data import DataLoader
 from vlfuse.data import GroupedVQADataset, ImageQuestions, collate_grouped
 from vlfuse.data.answers import AnswerVocab
 from vlfuse.datamodules import EasyVQADataModule
-from vlfuse.encoders import FeatureCache
+from vlfuse.encoders import FeatureCache, TokenCache, load_tokenizer
 from vlfuse.lit import VLFuseLitModule
 from vlfuse.model import VLFuseModel
 
 from conftest import tiny_config, toy_batch
+from test_minilm import MINILM, needs_minilm
 
 ANSWERS = ["yes", "no", "red"]
 QUESTIONS = ["is it red?", "what colour is it?", "is there a circle?"]
@@ -199,6 +200,21 @@ def test_the_token_cache_pads_each_batch_as_the_tokenizer_does_and_tokenizes_eac
         for name in tokens:
             assert torch.equal(tokens[name], expected[name]), name
     assert model.question_tokens.tokens.misses == 4  # distinct questions
+
+
+@needs_minilm
+def test_the_token_cache_pads_as_the_minilm_tokenizer_does():
+    tokenizer = load_tokenizer(MINILM)
+
+    def tokenize(questions):
+        return dict(tokenizer(list(questions), padding=True, return_tensors="pt", return_token_type_ids=False))
+
+    cache = TokenCache(tokenize, tokenizer.pad_token_id, tokenizer.padding_side)
+    for questions in (["what colour is the shape?", "is there a red circle in the image?"], ["is it?", "what colour is the shape?"]):
+        tokens, expected = cache(questions), tokenize(questions)
+        assert tokens.keys() == expected.keys()
+        for name in tokens:
+            assert torch.equal(tokens[name], expected[name]), name
 
 
 def test_a_model_without_a_text_cache_tokenizes_every_batch():
