@@ -1,13 +1,25 @@
-"""Frozen encoders keep their outputs per distinct image and question while the model trains."""
+"""Frozen encoders keep their outputs per distinct image and question while the model trains; the
+loader then stops decoding images, and each distinct question is tokenized once."""
 
 import dataclasses
+from pathlib import Path
 
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+import pytest
 import torch
+from PIL import Image
+from torch.utils.data import DataLoader
 
-from vlfuse.encoders import FeatureCache
+from vlfuse.data import GroupedVQADataset, ImageQuestions, collate_grouped
+from vlfuse.data.answers import AnswerVocab
+from vlfuse.datamodules import EasyVQADataModule
+from vlfuse.encoders import FeatureCache, TokenCache, load_tokenizer
+from vlfuse.lit import VLFuseLitModule
 from vlfuse.model import VLFuseModel
 
-from conftest import tiny_config
+from conftest import tiny_config, toy_batch
+from test_minilm import MINILM, needs_minilm
 
 ANSWERS = ["yes", "no", "red"]
 QUESTIONS = ["is it red?", "what colour is it?", "is there a circle?"]
@@ -106,3 +118,153 @@ def test_a_full_cache_still_returns_every_output_and_stores_what_fits():
     assert (len(cache), cache.nbytes) == (2, 8)
     assert [t.item() for t in cache.get(["c", "a"], compute)] == [0.0, 0.0]  # c is computed again, at row 0
     assert cache.misses == 4 and cache.hits == 1
+
+
+# ------------------------------------------------------------ the loader and the tokenizer
+def image_files(folder: Path, n: int) -> list[ImageQuestions]:
+    """``n`` random PNG images in ``folder``, each with one question."""
+    g = torch.Generator().manual_seed(2)
+    records = []
+    for i in range(n):
+        path = folder / f"{i}.png"
+        Image.fromarray((torch.rand(32, 32, 3, generator=g) * 255).to(torch.uint8).numpy()).save(path)
+        records.append(ImageQuestions(str(path), [QUESTIONS[i % 3]], ["yes"], image_id=str(i)))
+    return records
+
+
+def one_epoch(model: VLFuseModel, dataset: GroupedVQADataset) -> list[dict]:
+    """The batches of one training pass over ``dataset``, each image encoded as the training step does."""
+    batches = list(DataLoader(dataset, batch_size=2, collate_fn=collate_grouped))
+    for batch in batches:
+        model.encode_images(batch["pixel_values"], batch["image_keys"])
+    return batches
+
+
+def test_the_loader_stops_decoding_once_every_image_is_cached_and_decodes_when_one_is_not(tmp_path, one_thread):
+    model = frozen_model(cache=True).train()
+    records = image_files(tmp_path, 4)
+    dataset = GroupedVQADataset(records[:3], AnswerVocab(ANSWERS), 32)
+    dataset.decode_only_uncached(model.image_encoder.cache)
+    assert dataset.decode_images  # nothing cached yet
+    first = one_epoch(model, dataset)
+    assert all(batch["pixel_values"] is not None for batch in first)
+    assert first[0]["image_keys"] == [str(tmp_path / "0.png"), str(tmp_path / "1.png")]
+
+    dataset.decode_only_uncached(model.image_encoder.cache)
+    assert not dataset.decode_images
+    second = one_epoch(model, dataset)
+    assert all(batch["pixel_values"] is None for batch in second)
+    for cached, decoded in zip(second, first):  # the cached features are the encoder's
+        with_cache = model.embed_images(None, cached["image_keys"])
+        model.eval()
+        torch.testing.assert_close(with_cache, model.embed_images(decoded["pixel_values"]))
+        model.train()
+    assert model.image_encoder.cache.misses == 3
+
+    with_new_image = GroupedVQADataset(records, AnswerVocab(ANSWERS), 32)
+    with_new_image.decode_only_uncached(model.image_encoder.cache)
+    assert with_new_image.decode_images
+    dataset.decode_only_uncached(FeatureCache())  # e.g. the cache was cleared
+    assert dataset.decode_images
+
+
+def test_images_held_in_memory_are_always_decoded_and_cached_by_their_pixels(one_thread):
+    model = frozen_model(cache=True).train()
+    records, batch = toy_batch(n_images=2)
+    dataset = GroupedVQADataset(records, AnswerVocab(ANSWERS), 32)
+    assert batch["image_keys"] == [None, None]
+    model.encode_images(batch["pixel_values"], batch["image_keys"])
+    dataset.decode_only_uncached(model.image_encoder.cache)
+    assert dataset.decode_images and len(model.image_encoder.cache) == 2
+
+
+def test_an_image_neither_cached_nor_given_is_an_error_naming_it(one_thread):
+    model = frozen_model(cache=True).train()
+    with pytest.raises(ValueError, match=r"needs pixel_values: the features of image '/data/a\.png' are not cached"):
+        model.encode_images(None, ["/data/a.png"])
+    with pytest.raises(ValueError, match="needs pixel_values"):
+        model.eval().encode_images(None, ["/data/a.png"])
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_the_token_cache_pads_each_batch_as_the_tokenizer_does_and_tokenizes_each_question_once(padding_side):
+    model = frozen_model(cache=True).train()
+    model.tokenizer.padding_side = padding_side
+    model.question_tokens.padding_side = padding_side
+    batches = [["is it red?", "what colour is it?"], ["is it red?", "is it?", "is there a circle?", "is it red?"]]
+    for questions in batches:
+        tokens = model.tokenize(questions)
+        expected = model.eval().tokenize(questions)  # eval mode: the tokenizer itself
+        model.train()
+        assert tokens.keys() == expected.keys()
+        for name in tokens:
+            assert torch.equal(tokens[name], expected[name]), name
+    assert model.question_tokens.tokens.misses == 4  # distinct questions
+
+
+@needs_minilm
+def test_the_token_cache_pads_as_the_minilm_tokenizer_does():
+    tokenizer = load_tokenizer(MINILM)
+
+    def tokenize(questions):
+        return dict(tokenizer(list(questions), padding=True, return_tensors="pt", return_token_type_ids=False))
+
+    cache = TokenCache(tokenize, tokenizer.pad_token_id, tokenizer.padding_side)
+    for questions in (["what colour is the shape?", "is there a red circle in the image?"], ["is it?", "what colour is the shape?"]):
+        tokens, expected = cache(questions), tokenize(questions)
+        assert tokens.keys() == expected.keys()
+        for name in tokens:
+            assert torch.equal(tokens[name], expected[name]), name
+
+
+def test_a_model_without_a_text_cache_tokenizes_every_batch():
+    model = frozen_model(cache=False).train()
+    model.tokenize(QUESTIONS)
+    assert len(model.question_tokens.tokens) == 0
+
+
+class StepLosses(Callback):
+    """Test helper: the training loss of every step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].item())
+
+
+def fit_two_epochs(cache: bool) -> tuple[L.Trainer, list[float]]:
+    """Two epochs on 8 easy-VQA images, both encoders frozen, with or without the cache, and
+    learning rate 0: every step sees the same weights, so the losses of both runs must agree
+    (with a learning rate, Adam turns the last-bit differences of features computed in other
+    batches into steps of the size of the learning rate)."""
+    L.seed_everything(0, verbose=False)
+    base = tiny_config()
+    architecture = dataclasses.replace(
+        base,
+        image=dataclasses.replace(base.image, freeze=True, cache_features=cache),
+        text=dataclasses.replace(base.text, freeze=True, cache_features=cache),
+    )
+    losses = StepLosses()
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=2, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
+    )
+    trainer.fit(VLFuseLitModule(architecture, lr=0.0), datamodule=EasyVQADataModule(limit_images=8, batch_size=4))
+    return trainer, losses.losses
+
+
+def test_training_with_the_cache_stops_decoding_after_the_first_epoch_and_gives_the_same_losses(one_thread):
+    trainer, with_cache = fit_two_epochs(cache=True)
+    _, without = fit_two_epochs(cache=False)
+    assert not trainer.train_dataloader.dataset.decode_images
+    cache = trainer.lightning_module.model.image_encoder.cache
+    assert (cache.misses, cache.hits) == (8, 8)  # the second epoch's batches came without pixels
+    assert len(with_cache) == len(without) == 4
+    assert with_cache == pytest.approx(without, rel=1e-5)
+
+
+def test_frozen_encoders_are_in_eval_mode_from_the_start_as_lightning_never_calls_train():
+    model = frozen_model(cache=False, freeze_text=True)  # built, never .train()-ed: as in `vlfuse fit`
+    assert model.training and model.fusion.training
+    assert not model.image_encoder.vit.training and not model.text_encoder.model.training

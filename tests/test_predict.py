@@ -60,9 +60,9 @@ def encoded(monkeypatch):
     calls = []
     original = ImageEncoder.forward
 
-    def recording(self, pixels):
+    def recording(self, pixels, *keys):
         calls.append(pixels.clone())
-        return original(self, pixels)
+        return original(self, pixels, *keys)
 
     monkeypatch.setattr(ImageEncoder, "forward", recording)
     return calls

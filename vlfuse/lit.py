@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassAccuracy
 
-from vlfuse.data import IGNORE_INDEX
+from vlfuse.data import IGNORE_INDEX, GroupedVQADataset
 from vlfuse.datamodules import VQADataModule
 from vlfuse.metrics import VQASoftAccuracy
 from vlfuse.model import VLFuseConfig, VLFuseModel, VLFuseOutput
@@ -145,10 +145,11 @@ class VLFuseLitModule(L.LightningModule):
     def _model_output(self, batch: dict) -> VLFuseOutput:
         tokens = self.model.tokenize(batch["questions"])  # cheap; the tokenizer belongs to the model
         return self.model(
-            batch["pixel_values"],
+            None,
             tokens["input_ids"].to(self.device),
             tokens["attention_mask"].to(self.device),
             image_index=batch["image_index"],
+            image_context=self.model.encode_images(batch["pixel_values"], batch.get("image_keys")),
         )
 
     def _step(self, batch: dict, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:
@@ -184,6 +185,12 @@ class VLFuseLitModule(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train", self.train_acc)
+
+    def on_train_epoch_end(self) -> None:
+        """Once a frozen image encoder has cached every training image, the loader stops decoding them."""
+        dataset = getattr(self.trainer.train_dataloader, "dataset", None)
+        if self.model.image_encoder.cache is not None and isinstance(dataset, GroupedVQADataset):
+            dataset.decode_only_uncached(self.model.image_encoder.cache)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._step(batch, "val", self.val_acc)

@@ -18,6 +18,7 @@ from vlfuse.encoders import (
     ImageEncoderConfig,
     TextEncoder,
     TextEncoderConfig,
+    TokenCache,
     build_word_tokenizer,
     load_tokenizer,
     scratch_config,
@@ -264,6 +265,7 @@ class VLFuseModel(nn.Module):
             text_hf_config = scratch_config(config.text, len(tokenizer), tokenizer.pad_token_id)
         self.image_encoder = ImageEncoder(config.image, load_weights=load_pretrained)
         self.text_encoder = TextEncoder(config.text, text_hf_config)
+        self.question_tokens = TokenCache(self._tokenize, tokenizer.pad_token_id, tokenizer.padding_side)
         d = config.fusion_dim
         self.image_proj = nn.Linear(self.image_encoder.width, d)
         self.text_proj = nn.Linear(self.text_encoder.width, d)
@@ -301,7 +303,16 @@ class VLFuseModel(nn.Module):
 
     # ----------------------------------------------------------------------------- the stages
     def tokenize(self, questions: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Questions -> ``input_ids`` and ``attention_mask`` (Bq, Lt), truncated to ``max_length``."""
+        """Questions -> ``input_ids`` and ``attention_mask`` (Bq, Lt), truncated to ``max_length``.
+
+        In training, when the text encoder caches its features, each distinct question is
+        tokenized once (:attr:`question_tokens`, a :class:`~vlfuse.encoders.cache.TokenCache`).
+        """
+        if self.training and self.text_encoder.cache is not None:
+            return self.question_tokens(questions)
+        return self._tokenize(questions)
+
+    def _tokenize(self, questions: Sequence[str]) -> dict[str, torch.Tensor]:
         encoded = self.tokenizer(
             list(questions),
             padding=True,
@@ -312,15 +323,20 @@ class VLFuseModel(nn.Module):
         )
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
-    def encode_images(self, pixel_values: torch.Tensor) -> ImageContext:
+    def encode_images(
+        self, pixel_values: torch.Tensor | None, image_keys: Sequence[str | None] | None = None
+    ) -> ImageContext:
         """Images ``(Bi, 3, S, S)`` in [0, 1] -> their :class:`ImageContext`, reusable for many questions:
         every fusion layer's keys/values and what the readout needs of them. The same as
-        ``image_context(embed_images(pixel_values))``."""
-        return self.image_context(self.embed_images(pixel_values))
+        ``image_context(embed_images(pixel_values, image_keys))``."""
+        return self.image_context(self.embed_images(pixel_values, image_keys))
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Images ``(Bi, 3, S, S)`` -> image tokens ``(Bi, Li, fusion_dim)``: the image encoder, projected."""
-        return self.image_proj(self.image_encoder(pixel_values))
+    def embed_images(
+        self, pixel_values: torch.Tensor | None, image_keys: Sequence[str | None] | None = None
+    ) -> torch.Tensor:
+        """Images ``(Bi, 3, S, S)`` -> image tokens ``(Bi, Li, fusion_dim)``: the image encoder, projected.
+        ``image_keys`` name the images for a frozen encoder's cache (see :meth:`ImageEncoder.forward`)."""
+        return self.image_proj(self.image_encoder(pixel_values, image_keys))
 
     def image_context(self, image_tokens: torch.Tensor) -> ImageContext:
         """Image tokens from :meth:`embed_images` -> the keys/values of every fusion layer and the readout's context."""

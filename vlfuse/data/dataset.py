@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Container, Sequence
 
 import torch
 from torch.utils.data import Dataset
 
 from vlfuse.data.answers import AnswerVocab
-from vlfuse.data.records import ImageQuestions
+from vlfuse.data.records import ImageQuestions, ImageSource
 from vlfuse.data.transforms import preprocess_image
 
 IGNORE_INDEX = -100
@@ -18,19 +21,26 @@ NO_ANSWER = -1
 
 
 class GroupedVQADataset(Dataset):
-    """Yields one image with all its questions: ``{"pixel_values", "questions", "labels"}``, and
-    ``human_labels`` (Q, A) when the record has every annotator's answers (see :func:`human_labels`).
+    """Yields one image with all its questions: ``{"pixel_values", "image_key", "questions",
+    "labels"}``, and ``human_labels`` (Q, A) when the record has every annotator's answers (see
+    :func:`human_labels`).
 
     Args:
         records: the images and their questions.
         vocab: answer vocabulary; answers outside it get :data:`IGNORE_INDEX`.
         image_size: side of the square tensor each image is resized to.
+
+    Attributes:
+        decode_images: load and resize each image into ``pixel_values``. ``False`` (see
+            :meth:`decode_only_uncached`) leaves ``pixel_values`` out: a model that has every
+            image's features cached needs only the ``image_key``.
     """
 
     def __init__(self, records: Sequence[ImageQuestions], vocab: AnswerVocab, image_size: int) -> None:
         self.records = records
         self.vocab = vocab
         self.image_size = image_size
+        self.decode_images = True
 
     def __len__(self) -> int:
         return len(self.records)
@@ -38,10 +48,12 @@ class GroupedVQADataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         record = self.records[i]
         item = {
-            "pixel_values": preprocess_image(record.image, self.image_size),
+            "image_key": self.image_keys[i],
             "questions": list(record.questions),
             "labels": torch.tensor(self._indices(record.answers), dtype=torch.long),
         }
+        if self.decode_images:
+            item["pixel_values"] = preprocess_image(record.image, self.image_size)
         if record.human_answers:
             item["human_labels"] = human_labels([self._indices(h) for h in record.human_answers])
         return item
@@ -52,6 +64,23 @@ class GroupedVQADataset(Dataset):
     @property
     def num_questions(self) -> int:
         return sum(len(r.questions) for r in self.records)
+
+    @cached_property
+    def image_keys(self) -> list[str | None]:
+        """:func:`image_key` of each record's image."""
+        return [image_key(r.image) for r in self.records]
+
+    def decode_only_uncached(self, cached: Container[str]) -> None:
+        """Decode no image once every one is in ``cached`` (e.g. a frozen image encoder's
+        :class:`~vlfuse.encoders.FeatureCache`, keyed by :func:`image_key`); decode them all
+        again as soon as one is not (an image held in memory never is)."""
+        self.decode_images = not all(key is not None and key in cached for key in self.image_keys)
+
+
+def image_key(source: ImageSource) -> str | None:
+    """What names an image file from one epoch to the next: its absolute path; ``None`` for an
+    image held in memory (a PIL image or an array), which only its pixels identify."""
+    return os.path.abspath(source) if isinstance(source, (str, Path)) else None
 
 
 def human_labels(rows: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -75,14 +104,18 @@ def collate_grouped(items: list[dict]) -> dict:
     """Batch images and flatten their questions.
 
     Returns:
-        ``pixel_values`` (Bi, 3, S, S); ``questions`` list of Bq strings; ``labels`` (Bq,);
+        ``pixel_values`` (Bi, 3, S, S), or ``None`` when the items were not decoded (see
+        :attr:`GroupedVQADataset.decode_images`); ``image_keys`` list of Bi :func:`image_key`;
+        ``questions`` list of Bq strings; ``labels`` (Bq,);
         ``image_index`` (Bq,) the image row of each question; and, when any item has them,
         ``human_labels`` (Bq, A) padded with :data:`NO_ANSWER` (all of a row, for the questions
         of an item without human answers).
     """
     counts = torch.tensor([len(item["questions"]) for item in items])
+    decoded = "pixel_values" in items[0]  # all items of a dataset are, or none
     batch = {
-        "pixel_values": torch.stack([item["pixel_values"] for item in items]),
+        "pixel_values": torch.stack([item["pixel_values"] for item in items]) if decoded else None,
+        "image_keys": [item.get("image_key") for item in items],
         "questions": [q for item in items for q in item["questions"]],
         "labels": torch.cat([item["labels"] for item in items]),
         "image_index": torch.repeat_interleave(torch.arange(len(items)), counts),

@@ -1,6 +1,6 @@
 """Image and text encoder wrappers (timm, transformers) and tokenizers."""
 
-from vlfuse.encoders.cache import FeatureCache
+from vlfuse.encoders.cache import FeatureCache, TokenCache
 from vlfuse.encoders.image import ImageEncoder, ImageEncoderConfig
 from vlfuse.encoders.text import TextEncoder, TextEncoderConfig, scratch_config
 from vlfuse.encoders.tokenizer import build_word_tokenizer, load_tokenizer
@@ -11,6 +11,7 @@ __all__ = [
     "ImageEncoderConfig",
     "TextEncoder",
     "TextEncoderConfig",
+    "TokenCache",
     "build_word_tokenizer",
     "load_tokenizer",
     "scratch_config",

@@ -1,11 +1,14 @@
-"""An in-memory cache of a frozen encoder's outputs, one entry per distinct input."""
+"""In-memory caches for training on the same inputs epoch after epoch: a frozen encoder's outputs,
+one entry per distinct input, and each distinct question's tokens."""
 
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from typing import Callable, Hashable, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 DEFAULT_MAX_BYTES = 2 * 2**30
 """Memory a cache may fill (2 GiB): easy-VQA's features fit many times over; a set larger than this
@@ -41,6 +44,9 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self._store)
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._store
+
     def clear(self) -> None:
         self._store.clear()
         self.nbytes = 0
@@ -67,3 +73,37 @@ class FeatureCache:
         self.misses += len(first)
         self.hits += len(keys) - len(first)
         return [self._store[key] if key in self._store else computed[key] for key in keys]
+
+
+class TokenCache:
+    """Tokenizes each distinct question once and pads every batch from what it kept.
+
+    Gives what ``tokenize(questions)`` gives: ``input_ids`` and ``attention_mask`` ``(Bq, Lt)``,
+    padded to the batch's longest question on the tokenizer's side.
+
+    Args:
+        tokenize: questions -> ``{"input_ids", "attention_mask"}``, padded to the longest.
+        pad_token_id: the tokenizer's padding id.
+        padding_side: the tokenizer's, ``"right"`` or ``"left"``.
+    """
+
+    def __init__(
+        self, tokenize: Callable[[list[str]], dict[str, torch.Tensor]], pad_token_id: int, padding_side: str = "right"
+    ) -> None:
+        self._tokenize = tokenize
+        self.pad_token_id = pad_token_id
+        self.padding_side = padding_side
+        self.tokens = FeatureCache()
+        """Each question's real tokens (no padding), by question."""
+
+    def __call__(self, questions: Sequence[str]) -> dict[str, torch.Tensor]:
+        def compute(new: list[int]) -> list[torch.Tensor]:
+            encoded = self._tokenize([questions[i] for i in new])
+            return [ids[mask.bool()] for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
+
+        rows = self.tokens.get(list(questions), compute)  # each (real tokens,)
+        pad = partial(pad_sequence, batch_first=True, padding_side=self.padding_side)
+        return {
+            "input_ids": pad(rows, padding_value=self.pad_token_id),  # (Bq, Lt)
+            "attention_mask": pad([torch.ones_like(row) for row in rows], padding_value=0),
+        }

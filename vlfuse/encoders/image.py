@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import timm
 import torch
@@ -94,7 +95,7 @@ class ImageEncoder(nn.Module):
         self.register_buffer("mean", torch.tensor(config.mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(config.std).view(1, 3, 1, 1), persistent=False)
         if config.freeze:
-            self.vit.requires_grad_(False)
+            self.vit.requires_grad_(False).eval()  # from the start: Lightning trains without calling train()
         self.cache = FeatureCache() if config.freeze and config.cache_features else None
 
     def train(self, mode: bool = True) -> "ImageEncoder":
@@ -118,18 +119,32 @@ class ImageEncoder(nn.Module):
         """Tokens before the patch tokens (CLS, registers)."""
         return self.vit.num_prefix_tokens
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor | None, keys: Sequence[str | None] | None = None) -> torch.Tensor:
         """``pixels`` (B, 3, S, S) in [0, 1] -> tokens (B, prefix + rows * cols, width).
 
-        In training, a frozen encoder with a cache runs only on images it has not seen before.
+        In training, a frozen encoder with a cache runs only on images it has not seen before,
+        each known by its entry of ``keys`` (its file, see :func:`vlfuse.data.dataset.image_key`)
+        or, where that is ``None`` or ``keys`` is, by its pixels; ``pixels`` may then be ``None``
+        if every key is cached.
         """
         if self.cache is None or not self.training:
-            return self._encode(pixels)
-        rows = self.cache.get([tensor_key(p) for p in pixels], lambda new: self._encode(pixels[new]))
+            return self._encode(pixels_given(pixels))
+        if keys is None or None in keys:
+            pixels = pixels_given(pixels)
+            keys = [tensor_key(p) if key is None else key for p, key in zip(pixels, keys or [None] * len(pixels))]
+        rows = self.cache.get(keys, lambda new: self._encode(pixels_given(pixels, keys[new[0]])[new]))
         return torch.stack(rows)
 
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.vit.forward_features((pixels - self.mean) / self.std)
+
+
+def pixels_given(pixels: torch.Tensor | None, uncached_key: str | None = None) -> torch.Tensor:
+    """``pixels``; when there are none, a ValueError naming the image whose features are not cached."""
+    if pixels is None:
+        uncached = f": the features of image {uncached_key!r} are not cached" if uncached_key else ""
+        raise ValueError(f"the image encoder needs pixel_values{uncached}")
+    return pixels
 
 
 def hub_failure(name: str, err: OSError) -> str:

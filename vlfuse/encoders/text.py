@@ -80,7 +80,7 @@ class TextEncoder(nn.Module):
         if getattr(self.model, "pooler", None) is not None:
             self.model.pooler = None  # unused: we pool after fusion
         if config.freeze:
-            self.model.requires_grad_(False)
+            self.model.requires_grad_(False).eval()  # from the start: Lightning trains without calling train()
         self.cache = FeatureCache() if config.freeze and config.cache_features else None
 
     def train(self, mode: bool = True) -> "TextEncoder":
