@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional
 
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -41,6 +41,12 @@ class VLFuseCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {"checkpoint.monitor": "val/acc", "checkpoint.mode": "max", "checkpoint.save_last": True}
+        )
+        # A config without class_paths trains an answering model (VLFuseLitModule) on a VQADataModule;
+        # `model: class_path: vlfuse.captioning.lit.CaptionLitModule` trains a caption model instead.
+        parser.set_defaults(
+            {"model": {"class_path": f"{VLFuseLitModule.__module__}.{VLFuseLitModule.__name__}"},
+             "data": {"class_path": f"{VQADataModule.__module__}.{VQADataModule.__name__}"}}
         )
         parser.add_lightning_class_args(ExportBestModel, "export")
         parser.add_lightning_class_args(ResumeTraining, "resume")
@@ -81,10 +87,18 @@ class VLFuseCLI(LightningCLI):
         self._print_test_summary(self.trainer.callback_metrics)
 
     def _print_test_summary(self, metrics: Mapping[str, Any], suffix: str = "") -> None:
-        """On rank 0: ``vlfuse: test accuracy 0.9978 (4500 questions)``, metrics reduced over all ranks."""
-        if self.trainer.is_global_zero and "test/acc" in metrics:
+        """On rank 0: ``vlfuse: test accuracy 0.9978 (4500 questions)``, or for a caption model
+        ``vlfuse: test BLEU-4 0.9, CIDEr-D 8.1, fact precision 0.9990, object recall 0.9950 (1000 images)``
+        (the last two for data with scenes), metrics reduced over all ranks."""
+        if not self.trainer.is_global_zero:
+            return
+        if "test/acc" in metrics:
             accuracy, questions = float(metrics["test/acc"]), int(metrics["test/questions"])
             print(f"vlfuse: test accuracy {accuracy:.4f} ({questions} questions){suffix}")
+        elif "test/cider" in metrics:
+            names = {"bleu4": "BLEU-4", "cider": "CIDEr-D", "fact_precision": "fact precision", "object_recall": "object recall"}
+            scores = ", ".join(f"{label} {float(metrics[f'test/{key}']):.4f}" for key, label in names.items() if f"test/{key}" in metrics)
+            print(f"vlfuse: test {scores} ({int(metrics['test/images'])} images){suffix}")
 
 
 def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
@@ -95,8 +109,9 @@ def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
     """
     own = {name: {"exit_on_error": False, "description": COMMANDS[name].description} for name in SUBCOMMANDS}
     return VLFuseCLI(
-        VLFuseLitModule,
-        VQADataModule,
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},

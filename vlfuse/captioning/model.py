@@ -188,3 +188,12 @@ class CaptionModel(nn.Module):
         state = load_file(directory / WEIGHTS_FILE, device=str(map_location))
         load_weights(model, state, directory, str(directory / CONFIG_FILE))
         return model.to(map_location).eval()
+
+
+def is_caption_model(directory: str | Path) -> bool:
+    """Whether ``directory``'s ``config.json`` describes a caption model (``False`` when it has none)."""
+    path = Path(directory) / CONFIG_FILE
+    try:
+        return json.loads(path.read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False  # the answering model's loader names what is wrong
