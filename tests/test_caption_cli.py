@@ -15,7 +15,7 @@ from vlfuse.cli import main as vlfuse_main
 from vlfuse.data import preprocess_image
 from vlfuse.predict import Predictor
 
-from conftest import REPO
+from conftest import REPO, tiny_caption_overrides
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +113,8 @@ def test_vlfuse_help_lists_caption(capsys):
 def test_a_short_fit_of_a_tiny_caption_config_exports_a_caption_model(tmp_path, capsys):
     args = [
         "fit", "--config", str(REPO / "configs" / "shapes_captions.yaml"),
-        "--model.init_args.caption_model.image.width=16",
-        "--model.init_args.caption_model.dim=16",
-        "--model.init_args.caption_model.depth=1",
-        "--data.init_args.num_train_scenes=32",
-        "--data.init_args.num_val_scenes=8",
-        "--data.init_args.num_test_scenes=8",
-        "--data.init_args.batch_size=16",
-        "--trainer.max_epochs=1",
+        *tiny_caption_overrides(),
         "--trainer.logger=false",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false",
         f"--trainer.default_root_dir={tmp_path}",
         f"--checkpoint.dirpath={tmp_path / 'checkpoints'}",
         "--threads=1",
