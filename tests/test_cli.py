@@ -127,7 +127,7 @@ def test_help_lists_every_subcommand_with_its_whole_description():
     words = " ".join(result.stdout.split())  # descriptions are wrapped, not cut
     for name, subcommand in SUBCOMMANDS.items():
         assert f" {name} {' '.join(subcommand.description.split())}" in words
-    assert list(SUBCOMMANDS) == ["fit", "validate", "test", "predict", "analyze", "prune"]
+    assert list(SUBCOMMANDS) == ["fit", "validate", "test", "predict", "caption", "analyze", "prune"]
 
 
 def test_misspelled_subcommand_is_one_line_listing_every_subcommand():
@@ -135,7 +135,7 @@ def test_misspelled_subcommand_is_one_line_listing_every_subcommand():
     assert result.returncode == 2
     assert result.stderr == (
         "vlfuse: error: unknown subcommand 'analyse' (did you mean 'analyze'?); "
-        "the subcommands are fit, validate, test, predict, analyze, prune (vlfuse --help)\n"
+        "the subcommands are fit, validate, test, predict, caption, analyze, prune (vlfuse --help)\n"
     )
 
 
