@@ -67,17 +67,9 @@ class CaptionLitModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.architecture = copy.deepcopy(caption_model)  # the default instance is shared
-        self.save_hyperparameters(
-            {
-                "caption_model": asdict(self.architecture),
-                "lr": lr,
-                "weight_decay": weight_decay,
-                "warmup_ratio": warmup_ratio,
-                "min_lr_ratio": min_lr_ratio,
-                "label_smoothing": label_smoothing,
-                "pretrained": pretrained,
-            }
-        )
+        self.save_hyperparameters(ignore=["caption_model"])
+        # Plain types only, so that checkpoints load with torch.load(weights_only=True).
+        self.hparams["caption_model"] = asdict(self.architecture)
         self.model: CaptionModel | None = None
         self.caption_scores = torch.nn.ModuleDict({stage: CaptionScores() for stage in EVAL_STAGES})
         self.scene_scores = torch.nn.ModuleDict({stage: SceneCaptionScores() for stage in EVAL_STAGES})
