@@ -84,10 +84,11 @@ def tiny_caption_overrides() -> list[str]:
     ]
 
 
-def tiny_cli_args(root: Path, limit_images: int = 8, *, map_program: bool = False) -> list[str]:
-    """:func:`tiny_overrides`, writing everything under ``root`` and logging nothing."""
+def tiny_cli_args(root: Path, limit_images: int = 8, *, map_program: bool = False, caption: bool = False) -> list[str]:
+    """:func:`tiny_overrides` (:func:`tiny_caption_overrides` for a ``caption`` config), writing
+    everything under ``root`` and logging nothing."""
     return [
-        *tiny_overrides(limit_images, map_program=map_program),
+        *(tiny_caption_overrides() if caption else tiny_overrides(limit_images, map_program=map_program)),
         f"--trainer.default_root_dir={root}",
         "--trainer.logger=false",
         f"--checkpoint.dirpath={root / 'checkpoints'}",

@@ -7,13 +7,17 @@ subcommands.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
 
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+import yaml
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vlfuse.captioning.lit import CaptionLitModule
 from vlfuse.cli import SUBCOMMANDS as COMMANDS
 from vlfuse.datamodules import VQADataModule
 from vlfuse.lit import ExportBestModel, VLFuseLitModule
@@ -41,12 +45,6 @@ class VLFuseCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {"checkpoint.monitor": "val/acc", "checkpoint.mode": "max", "checkpoint.save_last": True}
-        )
-        # A config without class_paths trains an answering model (VLFuseLitModule) on a VQADataModule;
-        # `model: class_path: vlfuse.captioning.lit.CaptionLitModule` trains a caption model instead.
-        parser.set_defaults(
-            {"model": {"class_path": f"{VLFuseLitModule.__module__}.{VLFuseLitModule.__name__}"},
-             "data": {"class_path": f"{VQADataModule.__module__}.{VQADataModule.__name__}"}}
         )
         parser.add_lightning_class_args(ExportBestModel, "export")
         parser.add_lightning_class_args(ResumeTraining, "resume")
@@ -101,6 +99,23 @@ class VLFuseCLI(LightningCLI):
             print(f"vlfuse: test {scores} ({int(metrics['test/images'])} images){suffix}")
 
 
+def names_caption_model(args: Sequence[str]) -> bool:
+    """Whether a ``--config`` among ``args`` trains a caption model (``model: class_path:
+    vlfuse.captioning.lit.CaptionLitModule``, e.g. ``configs/shapes_captions.yaml``). Such a config
+    gets a CLI over caption models and any datamodule; every other run, the answering model on a
+    :class:`~vlfuse.datamodules.VQADataModule` (whose configs need no ``class_path`` for the model)."""
+    paths = [value for flag, value in zip(args, args[1:]) if flag == "--config"]
+    paths += [arg.split("=", 1)[1] for arg in args if arg.startswith("--config=")]
+    for path in paths:
+        try:
+            model = yaml.safe_load(Path(path).read_text()).get("model")
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue  # Lightning's parser says what is wrong with the file
+        if isinstance(model, dict) and str(model.get("class_path", "")).startswith(CaptionLitModule.__module__):
+            return True
+    return False
+
+
 def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
     """Run a LightningCLI subcommand (``args``, default ``sys.argv``); returns the CLI object.
 
@@ -108,10 +123,11 @@ def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
         argparse.ArgumentError: a mistake in the arguments or the config (the usage is not printed).
     """
     own = {name: {"exit_on_error": False, "description": COMMANDS[name].description} for name in SUBCOMMANDS}
+    caption = names_caption_model(sys.argv[1:] if args is None else args)
     return VLFuseCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
+        CaptionLitModule if caption else VLFuseLitModule,
+        LightningDataModule if caption else VQADataModule,
+        subclass_mode_model=caption,
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},

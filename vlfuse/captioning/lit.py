@@ -44,8 +44,7 @@ class CaptionLitModule(L.LightningModule):
     word-level tokenizer) and the image size.
 
     Args:
-        caption_model: the model to build (not `architecture`, the answering models' argument: a
-            config that switches a model class keeps the arguments both classes share).
+        caption_model: the model to build.
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay (not on biases, norms, gates).
         warmup_ratio: share of the training steps spent warming the learning rate up.
