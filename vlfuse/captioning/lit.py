@@ -24,12 +24,13 @@ EVAL_STAGES = ("val", "test")
 
 
 def training_captions(datamodule: L.LightningDataModule) -> list[str]:
-    """Every caption of the training split, for the word-level tokenizer: the datamodule's
-    ``train_captions`` when it has them, else every reference of one pass over its training batches."""
-    captions = getattr(datamodule, "train_captions", None)
-    if captions is not None:
-        return list(captions)
-    return [caption for batch in datamodule.train_dataloader() for references in batch["references"] for caption in references]
+    """Every caption of the training split (``datamodule.train_captions``), for the word-level tokenizer."""
+    if not hasattr(datamodule, "train_captions"):
+        raise ValueError(
+            f"CaptionLitModule needs a caption datamodule (data: class_path: vlfuse.datamodules.captions...), "
+            f"got {type(datamodule).__name__}, which has no train_captions"
+        )
+    return list(datamodule.train_captions)
 
 
 class CaptionLitModule(L.LightningModule):
