@@ -67,10 +67,28 @@ def tiny_overrides(limit_images: int = 8, *, map_program: bool = False) -> list[
     ]
 
 
-def tiny_cli_args(root: Path, limit_images: int = 8, *, map_program: bool = False) -> list[str]:
-    """:func:`tiny_overrides`, writing everything under ``root`` and logging nothing."""
+def tiny_caption_overrides() -> list[str]:
+    """Command-line overrides that shrink a caption config (configs/shapes_captions.yaml) to a tiny
+    decoder on a few scenes, one epoch, quietly."""
     return [
-        *tiny_overrides(limit_images, map_program=map_program),
+        "--model.init_args.caption_model.image.width=16",
+        "--model.init_args.caption_model.dim=16",
+        "--model.init_args.caption_model.depth=1",
+        "--data.init_args.num_train_scenes=32",
+        "--data.init_args.num_val_scenes=8",
+        "--data.init_args.num_test_scenes=8",
+        "--data.init_args.batch_size=16",
+        "--trainer.max_epochs=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+    ]
+
+
+def tiny_cli_args(root: Path, limit_images: int = 8, *, map_program: bool = False, caption: bool = False) -> list[str]:
+    """:func:`tiny_overrides` (:func:`tiny_caption_overrides` for a ``caption`` config), writing
+    everything under ``root`` and logging nothing."""
+    return [
+        *(tiny_caption_overrides() if caption else tiny_overrides(limit_images, map_program=map_program)),
         f"--trainer.default_root_dir={root}",
         "--trainer.logger=false",
         f"--checkpoint.dirpath={root / 'checkpoints'}",

@@ -7,6 +7,7 @@ import torch
 import yaml
 
 from vlfuse.analysis.analyze import build_parser as build_analyze_parser
+from vlfuse.captioning import CaptionModel
 from vlfuse.cli import SUBCOMMANDS, main, run_lightning
 from vlfuse.model import VLFuseModel
 from vlfuse.predict import build_parser as build_predict_parser
@@ -40,10 +41,15 @@ def test_every_config_validates_against_the_cli(config, capsys):
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_every_config_trains_for_one_batch(config, tmp_path):
     needs_data(config)
-    map_program = yaml.safe_load(config.read_text())["model"]["architecture"].get("readout") == "map_program"
-    tiny = tiny_cli_args(tmp_path, map_program=map_program)
+    model = yaml.safe_load(config.read_text())["model"]
+    caption = model.get("class_path", "").startswith("vlfuse.captioning")
+    map_program = not caption and model["architecture"].get("readout") == "map_program"
+    tiny = tiny_cli_args(tmp_path, map_program=map_program, caption=caption)
     cli = run_lightning(["fit", "--config", str(config), *tiny, "--trainer.fast_dev_run=true"])
     assert cli.trainer.global_step == 1
+    if caption:
+        assert CaptionModel.from_pretrained(tmp_path / "model").config.dim == 16
+        return
     model = VLFuseModel.from_pretrained(tmp_path / "model")
     assert model.answers == cli.datamodule.answers
 
@@ -127,7 +133,7 @@ def test_help_lists_every_subcommand_with_its_whole_description():
     words = " ".join(result.stdout.split())  # descriptions are wrapped, not cut
     for name, subcommand in SUBCOMMANDS.items():
         assert f" {name} {' '.join(subcommand.description.split())}" in words
-    assert list(SUBCOMMANDS) == ["fit", "validate", "test", "predict", "analyze", "prune"]
+    assert list(SUBCOMMANDS) == ["fit", "validate", "test", "predict", "caption", "analyze", "prune"]
 
 
 def test_misspelled_subcommand_is_one_line_listing_every_subcommand():
@@ -135,7 +141,7 @@ def test_misspelled_subcommand_is_one_line_listing_every_subcommand():
     assert result.returncode == 2
     assert result.stderr == (
         "vlfuse: error: unknown subcommand 'analyse' (did you mean 'analyze'?); "
-        "the subcommands are fit, validate, test, predict, analyze, prune (vlfuse --help)\n"
+        "the subcommands are fit, validate, test, predict, caption, analyze, prune (vlfuse --help)\n"
     )
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, SHARED, tiny_overrides
+from conftest import REPO, SHARED, tiny_caption_overrides, tiny_overrides
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SETUP = "bash scripts/setup_env.sh && "
@@ -66,6 +66,8 @@ SHRINK = [
     (r"scripts/bench_predict\.py", ["--images", "2", "--questions-per-image", "2", "--repeats", "1",
                                     "--warmup", "0"], "end"),
     (r"scripts/bench_(local_)?attention\.py", ["--quick"], "end"),
+    (r"scripts/bench_generate\.py", ["--images", "2", "--length", "4", "--repeats", "1", "--warmup", "0"], "end"),
+    (r"vlfuse caption\b", ["--max-length", "4"], "end"),
     # A study trains 4-5 settings x 3 seeds: --dry-run checks its arguments and prints the commands.
     (r"scripts/head_count_study\.py", ["--dry-run"], "after"),
 ]
@@ -122,7 +124,10 @@ def tiny_training(line: str) -> list[str]:
     config = re.search(r"--config\s+(\S+)", line)
     if config is None or "--help" in line:
         return []
-    readout = yaml.safe_load((REPO / config.group(1)).read_text())["model"]["architecture"].get("readout")
+    model = yaml.safe_load((REPO / config.group(1)).read_text())["model"]
+    if model.get("class_path", "").startswith("vlfuse.captioning"):
+        return tiny_caption_overrides()
+    readout = model["architecture"].get("readout")
     if readout == "map_program":
         return tiny_overrides(map_program=True) + ["--trainer.max_epochs=1"]
     epochs = ["--trainer.max_epochs=2"] if "--ckpt_path" in line else []

@@ -1,7 +1,7 @@
 """The ``vlfuse`` command: a light dispatcher to its subcommands.
 
 ``fit``, ``validate`` and ``test`` are Lightning's CLI (:mod:`vlfuse.lightning_cli`); ``predict``,
-``analyze`` and ``prune`` are vlfuse's own tools. A subcommand's module is imported only when it
+``caption``, ``analyze`` and ``prune`` are vlfuse's own tools. A subcommand's module is imported only when it
 runs, so ``vlfuse --help``, a mistyped subcommand and ``import vlfuse.cli`` load neither torch nor
 Lightning.
 """
@@ -46,6 +46,11 @@ SUBCOMMANDS = {
         "vlfuse.predict",
         "Answer questions about images with a saved model: one pair (--image, --question) or a JSONL file "
         "(--input); optionally draw attention maps.",
+    ),
+    "caption": Subcommand(
+        "vlfuse.captioning.cli",
+        "Describe images with a saved caption model: one image (--image) or a JSONL file (--input); greedy or "
+        "beam search; optionally draw each head's attention for every generated word.",
     ),
     "analyze": Subcommand(
         "vlfuse.analysis.analyze",

@@ -7,13 +7,17 @@ subcommands.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
 
-from lightning.pytorch import Trainer
+import yaml
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vlfuse.captioning.lit import CaptionLitModule
 from vlfuse.cli import SUBCOMMANDS as COMMANDS
 from vlfuse.datamodules import VQADataModule
 from vlfuse.lit import ExportBestModel, VLFuseLitModule
@@ -81,10 +85,35 @@ class VLFuseCLI(LightningCLI):
         self._print_test_summary(self.trainer.callback_metrics)
 
     def _print_test_summary(self, metrics: Mapping[str, Any], suffix: str = "") -> None:
-        """On rank 0: ``vlfuse: test accuracy 0.9978 (4500 questions)``, metrics reduced over all ranks."""
-        if self.trainer.is_global_zero and "test/acc" in metrics:
+        """On rank 0: ``vlfuse: test accuracy 0.9978 (4500 questions)``, or for a caption model
+        ``vlfuse: test BLEU-4 0.9, CIDEr-D 8.1, fact precision 0.9990, object recall 0.9950 (1000 images)``
+        (the last two for data with scenes), metrics reduced over all ranks."""
+        if not self.trainer.is_global_zero:
+            return
+        if "test/acc" in metrics:
             accuracy, questions = float(metrics["test/acc"]), int(metrics["test/questions"])
             print(f"vlfuse: test accuracy {accuracy:.4f} ({questions} questions){suffix}")
+        elif "test/cider" in metrics:
+            names = {"bleu4": "BLEU-4", "cider": "CIDEr-D", "fact_precision": "fact precision", "object_recall": "object recall"}
+            scores = ", ".join(f"{label} {float(metrics[f'test/{key}']):.4f}" for key, label in names.items() if f"test/{key}" in metrics)
+            print(f"vlfuse: test {scores} ({int(metrics['test/images'])} images){suffix}")
+
+
+def names_caption_model(args: Sequence[str]) -> bool:
+    """Whether a ``--config`` among ``args`` trains a caption model (``model: class_path:
+    vlfuse.captioning.lit.CaptionLitModule``, e.g. ``configs/shapes_captions.yaml``). Such a config
+    gets a CLI over caption models and any datamodule; every other run, the answering model on a
+    :class:`~vlfuse.datamodules.VQADataModule` (whose configs need no ``class_path`` for the model)."""
+    paths = [value for flag, value in zip(args, args[1:]) if flag == "--config"]
+    paths += [arg.split("=", 1)[1] for arg in args if arg.startswith("--config=")]
+    for path in paths:
+        try:
+            model = yaml.safe_load(Path(path).read_text()).get("model")
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue  # Lightning's parser says what is wrong with the file
+        if isinstance(model, dict) and str(model.get("class_path", "")).startswith(CaptionLitModule.__module__):
+            return True
+    return False
 
 
 def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
@@ -94,9 +123,11 @@ def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
         argparse.ArgumentError: a mistake in the arguments or the config (the usage is not printed).
     """
     own = {name: {"exit_on_error": False, "description": COMMANDS[name].description} for name in SUBCOMMANDS}
+    caption = names_caption_model(sys.argv[1:] if args is None else args)
     return VLFuseCLI(
-        VLFuseLitModule,
-        VQADataModule,
+        CaptionLitModule if caption else VLFuseLitModule,
+        LightningDataModule if caption else VQADataModule,
+        subclass_mode_model=caption,
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},

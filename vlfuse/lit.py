@@ -104,14 +104,7 @@ class VLFuseLitModule(L.LightningModule):
 
     def configure_datamodule(self, datamodule: VQADataModule) -> None:
         """Give the datamodule the model's image size (or check that they agree)."""
-        size = self.architecture.image.image_size
-        if datamodule.image_size is None:
-            datamodule.image_size = size
-        elif datamodule.image_size != size:
-            raise ValueError(
-                f"data.image_size ({datamodule.image_size}) differs from the model's "
-                f"architecture.image.image_size ({size}); set one of them (or leave data.image_size out)"
-            )
+        agree_image_size(datamodule, self.architecture.image.image_size)
 
     def build_model(self, answers: list[str], questions: list[str]) -> None:
         self.use_model(VLFuseModel.from_config(self.architecture, answers, questions))
@@ -200,28 +193,45 @@ class VLFuseLitModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
-        decay, no_decay = [], []
-        for name, param in self.model.named_parameters():
-            if not param.requires_grad:
-                continue
-            if param.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "reg_token")):
-                no_decay.append(param)
-            else:
-                decay.append(param)
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.hparams.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.hparams.lr,
+        return adamw_warmup_cosine(self, self.model)
+
+
+def agree_image_size(datamodule: L.LightningDataModule, size: int) -> None:
+    """Give ``datamodule`` the model's image ``size`` when its ``image_size`` is ``None``, else check that they agree."""
+    if datamodule.image_size is None:
+        datamodule.image_size = size
+    elif datamodule.image_size != size:
+        raise ValueError(
+            f"data.image_size ({datamodule.image_size}) differs from the model's "
+            f"architecture.image.image_size ({size}); set one of them (or leave data.image_size out)"
         )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = max(1, int(total * self.hparams.warmup_ratio))
-        min_ratio = self.hparams.min_lr_ratio
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, warmup_steps=warmup, total_steps=total, min_ratio=min_ratio)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def adamw_warmup_cosine(module: L.LightningModule, model: torch.nn.Module) -> dict:
+    """``configure_optimizers`` of a module whose hyperparameters hold ``lr``, ``weight_decay``,
+    ``warmup_ratio`` and ``min_lr_ratio``: AdamW over ``model``'s trainable parameters (no decay on
+    biases, norms, gates, position and class tokens), the learning rate following :func:`warmup_cosine`
+    step by step."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "reg_token")):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    hparams = module.hparams
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=hparams.lr,
+    )
+    total = max(1, int(module.trainer.estimated_stepping_batches))
+    warmup = max(1, int(total * hparams.warmup_ratio))
+    min_ratio = hparams.min_lr_ratio
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, warmup_steps=warmup, total_steps=total, min_ratio=min_ratio)
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class ExportBestModel(Callback):

@@ -486,10 +486,7 @@ class VLFuseModel(nn.Module):
     # ------------------------------------------------------------------------- save and load
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write weights (safetensors), config and answers (JSON) and the tokenizer to ``directory``."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+        directory = save_weights(self, directory)
         meta = {
             "format_version": FORMAT_VERSION,
             "model_type": "vlfuse",
@@ -510,11 +507,7 @@ class VLFuseModel(nn.Module):
         never read are reset to their defaults (they had no effect), so the logits are unchanged.
         """
         directory = Path(directory)
-        if not directory.is_dir():
-            raise FileNotFoundError(f"model folder not found: {directory}")
-        missing = [n for n in (WEIGHTS_FILE, CONFIG_FILE, ANSWERS_FILE, TOKENIZER_DIR) if not (directory / n).exists()]
-        if missing:
-            raise FileNotFoundError(f"{directory} is not a saved vlfuse model: missing {', '.join(missing)}")
+        require_files(directory, (WEIGHTS_FILE, CONFIG_FILE, ANSWERS_FILE, TOKENIZER_DIR), "a saved vlfuse model")
         meta = json.loads((directory / CONFIG_FILE).read_text())
         version = meta.get("format_version")
         if meta.get("model_type") != "vlfuse" or version not in READABLE_FORMATS:
@@ -539,22 +532,46 @@ class VLFuseModel(nn.Module):
         state = load_file(directory / WEIGHTS_FILE, device=str(map_location))
         if version == 1:
             state = {_rename(key, model.readout.format_v1_keys): value for key, value in state.items()}
-        own = model.state_dict()
-        wrong = [key for key, value in state.items() if key in own and value.shape != own[key].shape]
-        if wrong:
-            key = wrong[0]
-            raise ValueError(
-                f"{directory / WEIGHTS_FILE} does not match {directory / CONFIG_FILE} and {directory / ANSWERS_FILE} "
-                f"({len(answers)} answers): {key} is {tuple(state[key].shape)} in the file, "
-                f"{tuple(own[key].shape)} in the model they describe"
-            )
-        result = model.load_state_dict(state, strict=False)
-        if result.missing_keys or result.unexpected_keys:
-            raise ValueError(
-                f"{directory / WEIGHTS_FILE} does not match {directory / CONFIG_FILE}: "
-                f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
-            )
+        described_by = f"{directory / CONFIG_FILE} and {directory / ANSWERS_FILE} ({len(answers)} answers)"
+        load_weights(model, state, directory, described_by)
         return model.to(map_location).eval()
+
+
+def save_weights(model: nn.Module, directory: str | Path) -> Path:
+    """Create ``directory`` and write ``model``'s state to its ``model.safetensors``; return the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    return directory
+
+
+def require_files(directory: Path, names: Sequence[str], what: str) -> None:
+    """Raise ``FileNotFoundError`` naming ``directory`` when it is missing or lacks one of ``names``."""
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model folder not found: {directory}")
+    missing = [n for n in names if not (directory / n).exists()]
+    if missing:
+        raise FileNotFoundError(f"{directory} is not {what}: missing {', '.join(missing)}")
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], directory: Path, described_by: str) -> None:
+    """Load ``state`` (read from ``directory``'s weights file) into ``model``, built from ``described_by``
+    (the files that describe it); a key of another shape, missing or extra is a one-line ``ValueError``."""
+    own = model.state_dict()
+    wrong = [key for key, value in state.items() if key in own and value.shape != own[key].shape]
+    if wrong:
+        key = wrong[0]
+        raise ValueError(
+            f"{directory / WEIGHTS_FILE} does not match {described_by}: {key} is {tuple(state[key].shape)} "
+            f"in the file, {tuple(own[key].shape)} in the model they describe"
+        )
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"{directory / WEIGHTS_FILE} does not match {directory / CONFIG_FILE}: "
+            f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
 
 
 def _rename(key: str, prefixes: dict[str, str]) -> str:

@@ -26,6 +26,8 @@ from tqdm import tqdm
 from vlfuse.analysis.attention_maps import draw_attention_map, select_query, split_prefix
 from vlfuse.data import ImageLoadError, ImageSource, preprocess_image
 from vlfuse.cli import SUBCOMMANDS
+from vlfuse.captioning.inference import CaptionOptions, caption_images
+from vlfuse.captioning.model import CaptionModel, is_caption_model
 from vlfuse.model import ImageContext, VLFuseModel
 from vlfuse.runtime import (
     DEFAULT_DEVICE,
@@ -112,9 +114,58 @@ class Predictor:
         cache_images: bool = True,
         threads: int | None = DEFAULT_THREADS,
     ) -> "Predictor":
-        """Load a model saved by :meth:`VLFuseModel.save_pretrained` (its errors name what is wrong)."""
-        model = VLFuseModel.from_pretrained(directory, map_location=device)
+        """Load a model saved by :meth:`VLFuseModel.save_pretrained` or :meth:`CaptionModel.save_pretrained`
+        (its errors name what is wrong)."""
+        loader = CaptionModel if is_caption_model(directory) else VLFuseModel
+        model = loader.from_pretrained(directory, map_location=device)
         return cls(model, device=device, batch_size=batch_size, cache_images=cache_images, threads=threads)
+
+    def caption(
+        self,
+        images: Sequence[ImageSource],
+        *,
+        beam_size: int = 1,
+        length_penalty: float = 1.0,
+        max_length: int | None = None,
+        errors: str = "raise",
+        names: Sequence[str] | None = None,
+        attention_maps: str | Path | None = None,
+        attention_layers: Sequence[int] | None = None,
+    ) -> list[dict]:
+        """Describe each image in words, with a caption model (:class:`~vlfuse.captioning.CaptionModel`).
+
+        Args:
+            images: file paths, PIL images or RGB uint8 arrays.
+            beam_size: hypotheses kept per image by beam search; 1 (default) is greedy decoding.
+            length_penalty: beam search ranks ``log-probability / length ** length_penalty``.
+            max_length: the most tokens per caption (its end token included); default: the model's limit.
+            errors: ``"raise"``: an unreadable image raises a ``ValueError`` naming it; ``"report"``:
+                it gets ``{"error": message}`` and every other image is captioned.
+            names: a name per image, for errors and attention-map files (default ``row 0``, ...).
+            attention_maps: a directory: for each image, a PNG per layer and generated word with one
+                panel per head and the head average, the weights (``NAME.npz``) and ``NAME.json``.
+            attention_layers: decoder layers to draw (default: all).
+
+        Returns:
+            One dict per image, in order: ``caption`` (str) and ``score`` (its log-probability,
+            length-normalised by beam search), ``attention_maps`` (the files) when asked; or
+            ``error`` for a bad image with ``errors="report"``.
+        """
+        if not isinstance(self.model, CaptionModel):
+            raise ValueError("this model answers questions (use predict); caption needs a caption model (vlfuse.captioning)")
+        if errors not in ERROR_POLICIES:
+            raise ValueError(f"errors must be one of {ERROR_POLICIES}, got {errors!r}")
+        options = CaptionOptions(beam_size, length_penalty, max_length)
+        layers = list(range(self.model.num_layers)) if attention_layers is None else sorted(set(attention_layers))
+        bad = [layer for layer in layers if not 0 <= layer < self.model.num_layers]
+        if bad:
+            raise ValueError(f"attention layers {bad} out of range: the model has decoder layers 0..{self.model.num_layers - 1}")
+        names = [f"row {i}" for i in range(len(images))] if names is None else list(names)
+        with using_threads(self.threads):
+            return caption_images(
+                self.model, images, names, options, batch_size=self.batch_size, raise_errors=errors == "raise",
+                attention_maps=attention_maps, attention_layers=layers if attention_maps is not None else (),
+            )
 
     @property
     def answers(self) -> list[str]:
@@ -196,6 +247,8 @@ class Predictor:
         self, images, questions, names, top_k, errors, attention_maps, attention_layers, attention_token
     ) -> list[int]:
         """Validate the call (not the pairs); return the fusion layers to draw."""
+        if isinstance(self.model, CaptionModel):
+            raise ValueError("this is a caption model: it describes images (use caption, or vlfuse caption)")
         if isinstance(questions, str) or isinstance(images, (str, os.PathLike, Image.Image)):
             raise ValueError("images and questions must be sequences (one image per question), not a single item")
         if names is None and len(images) != len(questions):
@@ -445,24 +498,24 @@ class _InputRow:
     error: str | None = None
 
 
-def read_pairs(path: Path) -> list[_InputRow]:
-    """Parse a JSONL file of ``{"image", "question"}`` objects; a bad line becomes a row with an error.
+def read_pairs(path: Path, keys: Sequence[str] = ("image", "question")) -> list[_InputRow]:
+    """Parse a JSONL file of objects with ``keys`` (``image`` among them); a bad line becomes a row with an error.
 
     Image paths are relative to the file's directory, unless absolute. Blank lines are skipped.
     """
     with open(path, encoding="utf-8", errors="replace") as lines:
-        return [_parse_line(n, text, path.parent) for n, text in enumerate(lines, 1) if text.strip()]
+        return [_parse_line(n, text, path.parent, keys) for n, text in enumerate(lines, 1) if text.strip()]
 
 
-def _parse_line(number: int, text: str, base: Path) -> _InputRow:
+def _parse_line(number: int, text: str, base: Path, keys: Sequence[str]) -> _InputRow:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as err:
         return _InputRow(number, {}, error=f"malformed JSON: {err}")
     if not isinstance(record, dict):
-        return _InputRow(number, {}, error="expected a JSON object with 'image' and 'question'")
-    fields = {key: record[key] for key in ("image", "question") if key in record}
-    missing = [key for key in ("image", "question") if key not in record]
+        return _InputRow(number, {}, error=f"expected a JSON object with {' and '.join(repr(k) for k in keys)}")
+    fields = {key: record[key] for key in keys if key in record}
+    missing = [key for key in keys if key not in record]
     if missing:
         return _InputRow(number, fields, error=f"missing {' and '.join(repr(k) for k in missing)}")
     if not isinstance(record["image"], str) or not record["image"]:
@@ -564,6 +617,21 @@ def _predict_file(predictor: Predictor, source: Path, target: Path | None, optio
             **options,
         )
     )
+    return write_rows(rows, results, target, "vlfuse predict", "answered", options["attention_maps"])
+
+
+def write_rows(
+    rows: list[_InputRow], results, target: Path | None, command: str, done: str, attention_maps: Path | None
+) -> int:
+    """Write one JSONL line per input row, in order, to ``target`` (or standard output): the row's fields
+    and its result from ``results`` (an iterator over the readable rows' results), or its error in
+    place; report on stderr. Returns the exit status: 1 when a row failed, else 0.
+
+    Args:
+        command: the command named in the messages, e.g. ``"vlfuse predict"``.
+        done: what was done to every row, e.g. ``"answered"``.
+        attention_maps: the directory attention maps were written to, if any.
+    """
     failed = []
     if target is not None:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -577,12 +645,12 @@ def _predict_file(predictor: Predictor, source: Path, target: Path | None, optio
                 result["error"] = f"line {row.line}: {result['error']}"
                 failed.append(row.line)
             out.write(json.dumps({"line": row.line, **row.fields, **result}) + "\n")
-    if options["attention_maps"] is not None:
-        print(f"vlfuse predict: wrote attention maps to {options['attention_maps']}", file=sys.stderr)
+    if attention_maps is not None:
+        print(f"{command}: wrote attention maps to {attention_maps}", file=sys.stderr)
     if failed:
         shown = ", ".join(map(str, failed[:20])) + (", ..." if len(failed) > 20 else "")
         summary = f"{len(failed)} of {len(rows)} rows failed (lines {shown}); see 'error' in {where}"
-        print(f"vlfuse predict: {summary}", file=sys.stderr)
+        print(f"{command}: {summary}", file=sys.stderr)
         return 1
-    print(f"vlfuse predict: answered every row ({len(rows)}); wrote {where}", file=sys.stderr)
+    print(f"{command}: {done} every row ({len(rows)}); wrote {where}", file=sys.stderr)
     return 0

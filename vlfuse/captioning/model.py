@@ -1,0 +1,199 @@
+"""CaptionModel: an image encoder and a caption decoder, saved like :class:`~vlfuse.model.VLFuseModel`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from vlfuse.captioning.decoder import CaptionDecoder, DecoderCache, DecoderOutput
+from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, build_word_tokenizer, load_tokenizer
+from vlfuse.model import CONFIG_FILE, TOKENIZER_DIR, WEIGHTS_FILE, ImageContext, load_weights, require_files, save_weights
+
+FORMAT_VERSION = 1
+MODEL_TYPE = "vlfuse-caption"
+
+
+@dataclass
+class CaptionConfig:
+    """Architecture of a :class:`CaptionModel`.
+
+    Attributes:
+        image: the image encoder.
+        dim: width of the decoder (the image tokens are projected to it).
+        depth: number of decoder blocks.
+        heads: attention heads of every decoder attention (causal self-attention and cross-attention).
+        mlp_ratio: hidden width of the decoder MLPs as a multiple of ``dim``.
+        mlp_type: ``gelu`` or ``swiglu`` (see :func:`vlfuse.layers.fusion.build_mlp`).
+        dropout: dropout on the embeddings and the residual branches.
+        attn_dropout: dropout on the attention weights.
+        gated: the cross-attention and MLP branches go through tanh gates initialised to 0 (Flamingo's
+            way of adding a block to a trained text model; a decoder trained from scratch learns
+            faster without them).
+        max_length: the longest caption in tokens, begin and end tokens included (the decoder's positions).
+    """
+
+    image: ImageEncoderConfig = field(default_factory=ImageEncoderConfig)
+    dim: int = 128
+    depth: int = 2
+    heads: int = 16
+    mlp_ratio: float = 2.0
+    mlp_type: str = "gelu"
+    dropout: float = 0.1
+    attn_dropout: float = 0.0
+    gated: bool = False
+    max_length: int = 40
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CaptionConfig":
+        data = dict(data)
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown caption model config keys: {unknown}")
+        return cls(image=ImageEncoderConfig(**data.pop("image", {})), **data)
+
+
+class CaptionModel(nn.Module):
+    """Writes a caption for an image: a timm ViT encodes the image, a causal decoder of fusion
+    blocks (:class:`~vlfuse.captioning.decoder.CaptionDecoder`) writes the words, each of them
+    attending to the image patches with 16-head cross-attention.
+
+    The tokenizer wraps a caption as ``BOS words EOS``: its ``cls_token`` begins and its ``sep_token``
+    ends a caption. The stages: :meth:`encode_images` (pixels -> per-block image keys/values,
+    projected once per image) and :meth:`decode` (tokens -> next-token scores, with an optional cache);
+    :meth:`forward` is teacher forcing. Generation is :mod:`vlfuse.captioning.generate`.
+
+    Args:
+        config: the architecture.
+        tokenizer: a transformers tokenizer with pad, cls (begin) and sep (end) tokens, e.g. from
+            :meth:`from_config`.
+        load_pretrained: load pretrained image-encoder weights where the config names them.
+    """
+
+    def __init__(self, config: CaptionConfig, tokenizer, *, load_pretrained: bool = True) -> None:
+        super().__init__()
+        for role in ("pad_token_id", "cls_token_id", "sep_token_id"):
+            if getattr(tokenizer, role, None) is None:
+                raise ValueError(f"the caption tokenizer needs a {role.removesuffix('_id')} (pad, begin = cls, end = sep)")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.image_encoder = ImageEncoder(config.image, load_weights=load_pretrained)
+        self.image_proj = nn.Linear(self.image_encoder.width, config.dim)
+        self.decoder = CaptionDecoder(
+            len(tokenizer),
+            config.max_length,
+            config.dim,
+            config.depth,
+            config.heads,
+            dropout=config.dropout,
+            attn_dropout=config.attn_dropout,
+            mlp_ratio=config.mlp_ratio,
+            mlp_type=config.mlp_type,
+            gated=config.gated,
+        )
+
+    @classmethod
+    def from_config(cls, config: CaptionConfig, captions: Iterable[str]) -> "CaptionModel":
+        """A new model whose word-level tokenizer knows every word of ``captions``."""
+        return cls(config, build_word_tokenizer(captions, config.max_length))
+
+    @property
+    def bos_id(self) -> int:
+        return self.tokenizer.cls_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.sep_token_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    # ----------------------------------------------------------------------------- the stages
+    def tokenize(self, captions: Sequence[str]) -> torch.Tensor:
+        """Captions -> ``(B, L)`` ids ``BOS words EOS``, right-padded, at most ``max_length`` tokens."""
+        encoded = self.tokenizer(
+            list(captions), padding=True, truncation=True, max_length=self.config.max_length, return_tensors="pt",
+            return_token_type_ids=False, return_attention_mask=False,
+        )
+        return encoded["input_ids"]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids -> the caption: the words up to the first end token, joined by spaces."""
+        ids = list(ids)
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        special = {self.bos_id, self.pad_id}
+        return " ".join(self.tokenizer.convert_ids_to_tokens([i for i in ids if i not in special]))
+
+    def encode_images(self, pixel_values: torch.Tensor) -> ImageContext:
+        """Images ``(Bi, 3, S, S)`` in [0, 1] -> every block's cross-attention keys/values ``(Bi, H, Li, hd)``."""
+        return ImageContext(self.decoder.project_context(self.image_proj(self.image_encoder(pixel_values))))
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        image_context: ImageContext,
+        *,
+        image_index: torch.Tensor | None = None,
+        cache: DecoderCache | None = None,
+        weights_from: Iterable[int] = (),
+    ) -> DecoderOutput:
+        """Next-token scores ``(B, Lt, vocab)`` for ``input_ids`` ``(B, Lt)`` (see :meth:`CaptionDecoder.forward`)."""
+        return self.decoder(
+            input_ids, image_context.layers, image_index=image_index, cache=cache, weights_from=tuple(weights_from)
+        )
+
+    def new_cache(self) -> DecoderCache:
+        """An empty cache for step-by-step decoding."""
+        return DecoderCache.empty(len(self.decoder.blocks))
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing: ``(B, L, vocab)`` scores of each next token of ``input_ids`` ``(B, L)``."""
+        return self.decode(input_ids, self.encode_images(pixel_values)).logits
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder blocks, each with one cross-attention layer."""
+        return len(self.decoder.blocks)
+
+    # ------------------------------------------------------------------------- save and load
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write weights (safetensors), config (JSON) and the tokenizer to ``directory``."""
+        directory = save_weights(self, directory)
+        meta = {"format_version": FORMAT_VERSION, "model_type": MODEL_TYPE, "config": asdict(self.config)}
+        (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        self.tokenizer.save_pretrained(directory / TOKENIZER_DIR)
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> "CaptionModel":
+        """Rebuild a model saved by :meth:`save_pretrained`; nothing is unpickled, no hub is needed."""
+        directory = Path(directory)
+        require_files(directory, (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_DIR), "a saved vlfuse caption model")
+        meta = json.loads((directory / CONFIG_FILE).read_text())
+        if meta.get("model_type") != MODEL_TYPE or meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{directory / CONFIG_FILE} is not a caption model of format {FORMAT_VERSION} "
+                f"(model_type {meta.get('model_type')!r}, format {meta.get('format_version')!r})"
+            )
+        model = cls(
+            CaptionConfig.from_dict(meta["config"]), load_tokenizer(str(directory / TOKENIZER_DIR)), load_pretrained=False
+        )
+        state = load_file(directory / WEIGHTS_FILE, device=str(map_location))
+        load_weights(model, state, directory, str(directory / CONFIG_FILE))
+        return model.to(map_location).eval()
+
+
+def is_caption_model(directory: str | Path) -> bool:
+    """Whether ``directory``'s ``config.json`` describes a caption model (``False`` when it has none)."""
+    path = Path(directory) / CONFIG_FILE
+    try:
+        return json.loads(path.read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False  # the answering model's loader names what is wrong
