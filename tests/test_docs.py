@@ -65,6 +65,7 @@ SHRINK = [
     (r"scripts/bench_predict\.py", ["--images", "2", "--questions-per-image", "2", "--repeats", "1",
                                     "--warmup", "0"], "end"),
     (r"scripts/bench_(local_)?attention\.py", ["--quick"], "end"),
+    (r"scripts/compare_baselines\.py", ["--max-batches", "2", "--epochs", "1", "--threads", "1"], "end"),
     # A study trains 4-5 settings x 3 seeds: --dry-run checks its arguments and prints the commands.
     (r"scripts/head_count_study\.py", ["--dry-run"], "after"),
 ]
