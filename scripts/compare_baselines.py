@@ -72,7 +72,7 @@ PEER_DEFAULTS = {
     # no setting of the sweep (docs/results.md#peers-side-by-side) did better.
     "bow_cnn": Settings(lr=5e-4, epochs=8, batch_size=3, image_size=64, width=32),
     # The paper's optimiser (Adam 3e-4, weight decay 1e-5, 64 questions, about 7 images, per batch),
-    # the best of the sweep; 10 epochs (the paper stops early on CLEVR) take about what vlfuse's 14 take.
+    # the best of the sweep; 10 epochs (the paper stops early on CLEVR), a little less time than vlfuse's 14.
     "film": Settings(lr=3e-4, epochs=10, batch_size=7, image_size=32, width=64, weight_decay=1e-5),
 }
 
