@@ -88,9 +88,9 @@ def add_timing_arguments(parser: argparse.ArgumentParser, *, repeats: int, warmu
                         help=f"untimed repetitions first (default {warmup})")
 
 
-def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+def add_threads_argument(parser: argparse.ArgumentParser, default: int | None = runtime.DEFAULT_THREADS) -> None:
     """``--threads N``: torch's CPU threads (default :data:`vlfuse.runtime.DEFAULT_THREADS`); read it with :func:`set_threads`."""
-    runtime.add_threads_argument(parser)
+    runtime.add_threads_argument(parser, default)
 
 
 def set_threads(count: int | None) -> None:
