@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlfuse.layers.packing import ContextGroups
+from vlfuse.layers.packing import ContextGroups, TokenPacking, per_token_head_mask
 
 Normalizer = Literal["softmax", "leaky_relu"]
 NormalizeFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -324,13 +324,12 @@ class CrossAttention(nn.Module):
         b, lq, h = x.shape[0], x.shape[1], self.num_heads
         check_head_mask(head_mask, b, h)
         if context_index is not None:  # the rows' tokens, one after another, grouped by context row
-            rows = torch.arange(b, device=x.device).repeat_interleave(lq)  # (B * Lq,)
-            per_token = None if head_mask is None or head_mask.dim() == 1 else head_mask[rows]
+            packing = TokenPacking(b, lq, device=x.device)
             out, weights = self.attend_packed(
-                x.reshape(b * lq, self.dim), kv, ContextGroups(context_index[rows], kv.batch_size),
-                need_weights=need_weights, head_mask=per_token if per_token is not None else head_mask,
+                packing.pack(x), kv, ContextGroups(context_index[packing.rows], kv.batch_size),
+                need_weights=need_weights, head_mask=per_token_head_mask(head_mask, packing),
             )
-            out = out.view(b, lq, self.dim)
+            out = packing.unpack(out, x)  # (B, Lq, dim)
             weights = None if weights is None else weights.view(b, lq, h, -1).transpose(1, 2)  # (B, H, Lq, Lk)
             return (out, weights) if need_weights else out
         key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (B, 1, Lk)
@@ -465,6 +464,7 @@ def _check_context(context: torch.Tensor, context_mask: torch.Tensor | None, kv_
 
 
 def check_head_mask(head_mask: torch.Tensor | None, batch: int, heads: int) -> None:
+    """``head_mask``, if any, must be ``(H,)`` or ``(B, H)`` over the heads present."""
     if head_mask is not None and head_mask.shape not in ((heads,), (batch, heads)):
         raise ValueError(
             f"head_mask must have shape ({heads},) or ({batch}, {heads}) (the heads present), got {tuple(head_mask.shape)}"

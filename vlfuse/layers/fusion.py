@@ -14,7 +14,7 @@ from torch import nn
 
 from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext, check_head_mask, check_queries
 from vlfuse.layers.local_attention import LocalLayout, LocalSelfAttention
-from vlfuse.layers.packing import ContextGroups, TokenPacking
+from vlfuse.layers.packing import ContextGroups, TokenPacking, per_token_head_mask
 
 MLP_TYPES = ("gelu", "swiglu")
 
@@ -148,7 +148,7 @@ class FusionBlock(nn.Module):
         check_head_mask(head_mask, x.shape[0], self.cross_attn.num_heads)
         packing, groups = pack_queries(x, text_mask, context_index, kv.batch_size)
         tokens, weights = self.forward_packed(
-            packing.pack(x), kv, packing, groups, need_weights=need_weights, head_mask=token_head_mask(head_mask, packing)
+            packing.pack(x), kv, packing, groups, need_weights=need_weights, head_mask=per_token_head_mask(head_mask, packing)
         )
         out = packing.unpack(tokens, x)
         return (out, unpack_weights(weights, packing)) if need_weights else out
@@ -187,11 +187,6 @@ def pack_queries(
     packing = TokenPacking(x.shape[0], x.shape[1], text_mask, device=x.device)
     image_of_token = packing.rows if image_index is None else image_index[packing.rows]  # (N,)
     return packing, ContextGroups(image_of_token, num_images)
-
-
-def token_head_mask(head_mask: torch.Tensor | None, packing: TokenPacking) -> torch.Tensor | None:
-    """A ``(B, H)`` head mask as ``(N, H)``, one row per packed token; ``(H,)`` or ``None`` as given."""
-    return head_mask[packing.rows] if head_mask is not None and head_mask.dim() == 2 else head_mask
 
 
 def unpack_weights(weights: torch.Tensor, packing: TokenPacking) -> torch.Tensor:
@@ -267,7 +262,7 @@ class FusionStack(nn.Module):
         weights: dict[int, torch.Tensor] = {}
         for i, (block, kv, head_mask) in enumerate(zip(self.blocks, kvs, head_masks)):
             tokens, layer_weights = block.forward_packed(
-                tokens, kv, packing, groups, need_weights=i in wanted, head_mask=token_head_mask(head_mask, packing)
+                tokens, kv, packing, groups, need_weights=i in wanted, head_mask=per_token_head_mask(head_mask, packing)
             )
             if layer_weights is not None:
                 weights[i] = unpack_weights(layer_weights, packing)

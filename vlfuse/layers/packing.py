@@ -55,6 +55,11 @@ class TokenPacking:
         return flat.index_copy(0, self.index, tokens).view_as(padding)
 
 
+def per_token_head_mask(head_mask: torch.Tensor | None, packing: TokenPacking) -> torch.Tensor | None:
+    """A per-row head mask ``(B, H)`` as ``(N, H)``, one row per packed token; ``(H,)`` or ``None`` as given."""
+    return head_mask[packing.rows] if head_mask is not None and head_mask.dim() == 2 else head_mask
+
+
 class ContextGroups:
     """Packed tokens laid out by the context row (image) they attend to: ``(N, C) -> (Bc, Lg, C)``.
 
