@@ -7,19 +7,34 @@ its projection (``embed_images``), (3) the text encoder and its projection (``en
 ``read_out``). Prints questions/s
 and images/s of the whole step and each part's share of it.
 
-    .venv/bin/python scripts/bench_training.py --config configs/easy_vqa.yaml
+    .venv/bin/python scripts/bench_training.py --config configs/easy_vqa.yaml --threads 2
+
+With ``--against REV``, times instead the whole training step of this tree's package and of the
+package at git revision REV side by side: REV is exported to a temporary folder, each package
+runs in a worker process of its own (the same measurement, this script's), and the timed
+repetitions alternate between the two. Prints every repetition's throughput and the median of
+the paired ratios (see :mod:`vlfuse.analysis.timing`).
+
+    .venv/bin/python scripts/bench_training.py --config configs/easy_vqa.yaml --threads 2 --against 5628651
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import load_datamodule, untrained_model
+from _common import REPO, add_threads_argument, add_timing_arguments, load_datamodule, set_threads, untrained_model
 
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.analysis.timing import time_interleaved
@@ -66,15 +81,8 @@ def fusion_part(model, batch, image_tokens, text) -> None:
     F.cross_entropy(logits, batch["labels"], ignore_index=IGNORE_INDEX).backward()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, default=Path("configs/easy_vqa.yaml"))
-    parser.add_argument("--batches", type=int, default=4, help="distinct real batches, cycled")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=None, help="images per batch (default: the config's)")
-    args = parser.parse_args()
-
+def break_down(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The whole training step and each part of it, side by side, on this tree's package."""
     model, batches = load_model_and_batches(args.config, args.batches, args.batch_size)
     if not model.has_fusion_heads:
         parser.error(f"{args.config} builds a model without fusion blocks (readout {model.config.readout!r}): nothing to split")
@@ -111,6 +119,134 @@ def main() -> None:
     print(markdown_table(["part (forward + backward)", "ms per batch", "share of the whole step"], rows,
                          formats=[None, "{:.1f}", "{:.0%}"]))
     print(f"\nthroughput: {questions / step:.0f} questions/s, {images / step:.1f} images/s (training, whole step)")
+
+
+# --------------------------------------------------------------------- --against: two revisions side by side
+REPLY = "bench_training:"
+"""Prefix of a worker's replies on its standard output (anything else it prints is passed over)."""
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Worker: load the model and batches, say so, then run one training step per batch at each ``steps`` line."""
+    import vlfuse
+
+    model, batches = load_model_and_batches(args.config, args.batches, args.batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    questions = [len(b["labels"]) for b in batches]
+    _reply({"package": str(Path(vlfuse.__file__).resolve().parent), "questions": questions,
+            "images": [len(b["pixel_values"]) for b in batches]})
+    for line in sys.stdin:
+        if line.strip() != "steps":
+            break
+        for batch in batches:
+            train_step(model, optimizer, batch)
+        _reply({"done": True})
+
+
+def _reply(message: dict) -> None:
+    print(REPLY + json.dumps(message), flush=True)
+
+
+class Worker:
+    """A process that times nothing itself: it runs training steps with the vlfuse package of ``tree`` on request.
+
+    Args:
+        tree: a source tree holding the ``vlfuse`` package, put first on the worker's ``PYTHONPATH``.
+        name: how to name the tree in messages.
+        args: this script's arguments (config, batches, batch size, threads).
+    """
+
+    def __init__(self, tree: Path, name: str, args: argparse.Namespace) -> None:
+        command = [sys.executable, str(Path(__file__).resolve()), "--serve", "--config", str(args.config.resolve()),
+                   "--batches", str(args.batches), "--threads", str(args.threads)]
+        if args.batch_size:
+            command += ["--batch-size", str(args.batch_size)]
+        path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+        self.name = name
+        self.process = subprocess.Popen(command, cwd=tree, env={**os.environ, "PYTHONPATH": path},
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self._read()
+        if not Path(ready["package"]).is_relative_to(tree.resolve()):
+            raise SystemExit(f"error: --against: the worker for {name} imported vlfuse from {ready['package']}, not from {tree}")
+        self.questions, self.images = ready["questions"], ready["images"]
+
+    def run(self) -> None:
+        """One training step on each batch."""
+        self.process.stdin.write("steps\n")
+        self.process.stdin.flush()
+        self._read()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait()
+
+    def _read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+        raise SystemExit(f"error: --against: the worker for {self.name} stopped (exit status {self.process.wait()})")
+
+
+def export_revision(revision: str, into: Path) -> str:
+    """Write the files of git ``revision`` of this repository into ``into``; return its short commit id."""
+    found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"error: --against {revision}: not a commit of the repository at {REPO}")
+    commit = found.stdout.strip()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", commit], capture_output=True, check=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return commit[:7]
+
+
+def compare_revisions(args: argparse.Namespace) -> None:
+    """The whole training step of this tree and of ``args.against``, timed in turn, side by side."""
+    with tempfile.TemporaryDirectory(prefix="bench_training_") as folder:
+        other = export_revision(args.against, Path(folder))
+        workers = {}
+        try:
+            workers = {"this tree": Worker(REPO, "this tree", args), other: Worker(Path(folder), other, args)}
+            mine, theirs = workers.values()
+            if (mine.questions, mine.images) != (theirs.questions, theirs.images):
+                raise SystemExit(f"error: --against {args.against}: the two trees made different batches "
+                                 f"({mine.questions} against {theirs.questions} questions)")
+            timings = time_interleaved({name: worker.run for name, worker in workers.items()}, args.repeats, args.warmup)
+        finally:
+            for worker in workers.values():
+                worker.close()
+    questions, images = sum(mine.questions), sum(mine.images)
+    print(f"torch {torch.__version__}, {args.threads} threads; {args.config}; each sample: one training step on each "
+          f"of {len(mine.questions)} batches ({images} images, {questions} questions); {args.repeats} repetitions, "
+          f"alternating\n")
+    samples = zip(timings.samples["this tree"], timings.samples[other])
+    rows = [[i, questions / this, questions / that, that / this] for i, (this, that) in enumerate(samples)]
+    print(markdown_table(["repetition", "this tree (questions/s)", f"{other} (questions/s)", "ratio"], rows,
+                         formats=[None, "{:.0f}", "{:.0f}", "{:.2f}x"]))
+    print(f"\nmedian throughput: this tree {questions / timings.median('this tree'):.0f} questions/s, "
+          f"{other} {questions / timings.median(other):.0f} questions/s; "
+          f"median of paired ratios: {timings.ratio(other, 'this tree'):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=Path("configs/easy_vqa.yaml"))
+    parser.add_argument("--batches", type=int, default=4, help="distinct real batches, cycled")
+    add_timing_arguments(parser, repeats=10, warmup=2)
+    parser.add_argument("--batch-size", type=int, default=None, help="images per batch (default: the config's)")
+    add_threads_argument(parser)
+    parser.add_argument("--against", metavar="REV",
+                        help="time the whole training step against the package at git revision REV, side by side")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a worker of --against
+    args = parser.parse_args()
+    set_threads(args.threads)
+    if args.serve:
+        serve(args)
+    elif args.against:
+        compare_revisions(args)
+    else:
+        break_down(args, parser)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ class HeadCollection:
 
 
 def _record_output_norms(model: VLFuseModel, norms: dict[int, torch.Tensor]) -> list:
-    """Hook every cross-attention ``out_proj`` to store its heads' output norms ``(Bq, Lt, H)`` in ``norms``."""
+    """Hook every cross-attention ``out_proj`` to store its heads' output norms in ``norms``: ``(N, H)`` over
+    the real question tokens, in the order of ``text_mask`` (the fusion blocks run on packed tokens)."""
 
     def hook(layer: int, num_heads: int):
         def record(module, args) -> None:
@@ -118,7 +119,7 @@ def collect_head_stats(
             objects = object_cells(pixels, grid, tolerance=rules.pixel_tolerance, min_share=rules.cell_share)
             for layer in layers:
                 weights = out.attentions[layer].transpose(1, 2)[mask]  # (Bq, Lt, H, Li) -> (N, H, Li)
-                accumulators[layer].update(weights, objects[row_image], norms[layer][mask])  # norms: (N, H)
+                accumulators[layer].update(weights, objects[row_image], norms[layer])  # norms: (N, H)
             _keep_examples(examples, num_examples, pixels, batch["questions"], image_index, out)
             num_images += len(pixels)
             num_questions += len(image_index)

@@ -11,8 +11,9 @@ In reading order:
 - :func:`attention_core`: ``normalize(Q K^T / sqrt(hd)) V``, through SDPA when it can;
 - :class:`KeyMask`: the one rule for a query that may attend no key;
 - :class:`OutputGate`: the query-dependent output gate;
-- :class:`QueryGroups`: several query rows (questions) sharing one context row (image);
-- :class:`CrossAttention`: the layer.
+- :class:`CrossAttention`: the layer; :meth:`CrossAttention.attend_packed` for packed query tokens
+  grouped by the context row they read (:mod:`vlfuse.layers.packing`), e.g. the real tokens of all
+  the questions about each image.
 
 Local self-attention (sliding window, 2-D neighbourhood, block-sparse, FlexAttention) is
 :class:`~vlfuse.layers.local_attention.LocalSelfAttention`, in its own module.
@@ -27,6 +28,8 @@ from typing import Callable, Iterable, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vlfuse.layers.packing import ContextGroups, TokenPacking, per_token_head_mask
 
 Normalizer = Literal["softmax", "leaky_relu"]
 NormalizeFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -159,11 +162,16 @@ class KeyMask:
     def zero_empty(
         self, out: torch.Tensor, weights: torch.Tensor | None = None, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Zero the output ``(B', Lq, dim)`` and weights ``(B', H, Lq, Lk)`` of the queries with no key.
+        """Zero the output and weights of the queries with no key.
 
-        ``rows``: ``(B',)`` the mask row of each output row, when they differ (shared contexts).
+        Either rows of queries, output ``(B', Lq, dim)`` and weights ``(B', H, Lq, Lk)``, or packed
+        query tokens, output ``(N, dim)`` and weights ``(N, H, Lk)``, under a mask of one query per
+        row (``Lq = 1``). ``rows``: ``(B')`` or ``(N,)`` the mask row of each output row, when they
+        differ (shared contexts).
         """
-        has_key = self.has_key if rows is None else self.has_key[rows]  # (B', Lq or 1)
+        has_key = self.has_key if rows is None else self.has_key[rows]  # (B', Lq or 1), or (N, 1)
+        if out.dim() == 2:
+            return out.masked_fill(~has_key, 0.0), None if weights is None else weights.masked_fill(~has_key[..., None], 0.0)
         out = out.masked_fill(~has_key[..., None], 0.0)
         if weights is not None:
             weights = weights.masked_fill(~has_key[:, None, :, None], 0.0)
@@ -183,42 +191,6 @@ class OutputGate(nn.Linear):
     def forward(self, x: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
         """``x`` ``(B, Lq, dim)`` queries, ``merged`` ``(B, Lq, H * hd)`` heads -> gated ``(B, Lq, H * hd)``."""
         return merged * torch.sigmoid(super().forward(x))
-
-
-class QueryGroups:
-    """Lays the queries of all rows that share one context row side by side.
-
-    With many questions per image, attention then runs once per image over all its questions'
-    tokens, ``(B, H, Lq, d) -> (Bc, H, n_max * Lq, d)``, instead of copying the image's keys and
-    values once per question. Rows of a group are padded to the largest group (``n_max``);
-    padded queries are zero and are dropped again by :meth:`ungroup`.
-
-    Args:
-        context_index: ``(B,)`` the context row of each query row.
-        num_contexts: ``Bc``, the number of context rows.
-    """
-
-    def __init__(self, context_index: torch.Tensor, num_contexts: int) -> None:
-        counts = torch.bincount(context_index, minlength=num_contexts)
-        order = torch.argsort(context_index, stable=True)
-        first_row = torch.cumsum(counts, 0) - counts  # (Bc,) where each group starts in ``order``
-        slot = torch.empty_like(context_index)
-        slot[order] = torch.arange(len(order), device=order.device) - first_row[context_index[order]]
-        self.index, self.slot = context_index, slot
-        self.num_contexts, self.n_max = num_contexts, int(counts.max()) if len(counts) else 0
-
-    def group(self, t: torch.Tensor) -> torch.Tensor:
-        """``(B, H, L, d) -> (Bc, H, n_max * L, d)``."""
-        _, h, length, d = t.shape
-        grouped = t.new_zeros(self.num_contexts, self.n_max, h, length, d)
-        grouped[self.index, self.slot] = t
-        return grouped.permute(0, 2, 1, 3, 4).reshape(self.num_contexts, h, self.n_max * length, d)
-
-    def ungroup(self, t: torch.Tensor, length: int) -> torch.Tensor:
-        """``(Bc, H, n_max * L, d) -> (B, H, L, d)``."""
-        _, h, _, d = t.shape
-        t = t.view(self.num_contexts, h, self.n_max, length, d).permute(0, 2, 1, 3, 4)  # (Bc, n_max, H, L, d)
-        return t[self.index, self.slot]
 
 
 class CrossAttention(nn.Module):
@@ -306,6 +278,16 @@ class CrossAttention(nn.Module):
         key, value = self.kv_proj(context).chunk(2, dim=-1)  # each (B, Lk, H * hd)
         return ProjectedContext(self._split_heads(key), self._split_heads(value), context_mask)
 
+    def keys_values(
+        self, context: torch.Tensor | None = None, context_mask: torch.Tensor | None = None, kv: ProjectedContext | None = None
+    ) -> ProjectedContext:
+        """``kv`` as given, or the keys/values of ``context`` (exactly one of the two)."""
+        if (context is None) == (kv is None):
+            raise ValueError("pass exactly one of context or kv")
+        if kv is not None and context_mask is not None:
+            raise ValueError("context_mask belongs to project_context when kv is given")
+        return kv if kv is not None else self.project_context(context, context_mask)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -337,43 +319,91 @@ class CrossAttention(nn.Module):
         Returns:
             ``(B, Lq, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
-        if (context is None) == (kv is None):
-            raise ValueError("pass exactly one of context or kv")
-        if kv is None:
-            kv = self.project_context(context, context_mask)
-        elif context_mask is not None:
-            raise ValueError("context_mask belongs to project_context when kv is given")
-        _check_queries(x, self.dim, kv, self.num_heads, context_index)
-        key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (Bc, 1, Lk)
-        groups = None if context_index is None else QueryGroups(context_index, kv.batch_size)
+        kv = self.keys_values(context, context_mask, kv)
+        check_queries(x, self.dim, kv, self.num_heads, context_index)
+        b, lq, h = x.shape[0], x.shape[1], self.num_heads
+        check_head_mask(head_mask, b, h)
+        if context_index is not None:  # the rows' tokens, one after another, grouped by context row
+            packing = TokenPacking(b, lq, device=x.device)
+            out, weights = self.attend_packed(
+                packing.pack(x), kv, ContextGroups(context_index[packing.rows], kv.batch_size),
+                need_weights=need_weights, head_mask=per_token_head_mask(head_mask, packing),
+            )
+            out = packing.unpack(out, x)  # (B, Lq, dim)
+            weights = None if weights is None else weights.view(b, lq, h, -1).transpose(1, 2)  # (B, H, Lq, Lk)
+            return (out, weights) if need_weights else out
+        key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (B, 1, Lk)
         q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
-        out, weights = attention_core(
-            q if groups is None else groups.group(q), kv.key, kv.value, None if key_mask is None else key_mask.attend,
+        out, weights = self._attend(q, kv, key_mask, need_weights)
+        out = self._merge_heads(out, x, head_mask)  # (B, Lq, dim)
+        if key_mask is not None:
+            out, weights = key_mask.zero_empty(out, weights)
+        return (out, weights) if need_weights else out
+
+    def attend_packed(
+        self,
+        tokens: torch.Tensor,
+        kv: ProjectedContext,
+        groups: ContextGroups,
+        *,
+        need_weights: bool = False,
+        head_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend from packed query tokens, each to its own context row (see :mod:`vlfuse.layers.packing`).
+
+        The projections and the gate run on the ``N`` tokens alone; attention runs once per
+        context row over all the tokens that read it, ``(Bc, H, Lg, hd)``.
+
+        Args:
+            tokens: ``(N, dim)`` query tokens, e.g. the real tokens of padded questions.
+            kv: keys/values of the ``Bc`` context rows, from :meth:`project_context`.
+            groups: the context row of each token, as :class:`~vlfuse.layers.packing.ContextGroups`.
+            need_weights: also return the weights ``(N, H, Lk)``.
+            head_mask: ``(H,)`` or ``(N, H)`` factors on the heads' outputs (see :meth:`forward`).
+
+        Returns:
+            ``(output (N, dim), weights (N, H, Lk) or None)``.
+        """
+        n, h, hd = len(tokens), self.num_heads, self.head_dim
+        key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (Bc, 1, Lk)
+        q = groups.group(self.q_proj(tokens))  # (Bc, Lg, H * hd)
+        q = q.view(groups.num_contexts, groups.size, h, hd).transpose(1, 2)  # (Bc, H, Lg, hd)
+        out, weights = self._attend(q, kv, key_mask, need_weights)
+        merged = groups.ungroup(out.transpose(1, 2).reshape(groups.num_contexts, groups.size, h * hd))  # (N, H * hd)
+        if weights is not None:
+            weights = groups.ungroup(weights.transpose(1, 2).flatten(2)).view(n, h, -1)  # (N, H, Lk)
+        out = self._project_out(merged, tokens, head_mask)  # (N, dim)
+        if key_mask is not None:
+            out, weights = key_mask.zero_empty(out, weights, rows=groups.context)
+        return out, weights
+
+    def _attend(
+        self, q: torch.Tensor, kv: ProjectedContext, key_mask: KeyMask | None, need_weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The core on ``q`` ``(Bc, H, Lq, hd)`` against ``kv``'s rows: ``(out (Bc, H, Lq, hd), weights or None)``."""
+        return attention_core(
+            q, kv.key, kv.value, None if key_mask is None else key_mask.attend,
             dropout_p=self.dropout if self.training else 0.0, use_sdpa=self.use_sdpa, need_weights=need_weights,
             normalize=self.normalize,
         )
-        if groups is not None:
-            out = groups.ungroup(out, x.shape[1])
-            weights = None if weights is None else groups.ungroup(weights, x.shape[1])
-        out = self._merge_heads(out, x, head_mask)  # (B, Lq, dim)
-        if key_mask is not None:
-            out, weights = key_mask.zero_empty(out, weights, rows=context_index)
-        return (out, weights) if need_weights else out
 
     def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
         b, length, _ = t.shape
         return t.view(b, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
 
     def _merge_heads(self, out: torch.Tensor, x: torch.Tensor, head_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Heads' outputs ``(B, H, Lq, hd)`` -> ``(B, Lq, dim)``: scale by ``head_mask``, concatenate, gate, project."""
+        """Heads' outputs ``(B, H, Lq, hd)`` -> ``(B, Lq, dim)``: concatenate, scale by ``head_mask``, gate, project."""
         b, h, lq, hd = out.shape
+        if head_mask is not None and head_mask.dim() == 2:
+            head_mask = head_mask[:, None]  # (B, 1, H): broadcast over tokens
+        return self._project_out(out.transpose(1, 2).reshape(b, lq, h * hd), x, head_mask)  # from (B, Lq, H * hd)
+
+    def _project_out(self, merged: torch.Tensor, x: torch.Tensor, head_mask: torch.Tensor | None) -> torch.Tensor:
+        """Concatenated heads ``(..., H * hd)`` -> ``(..., dim)``: scale each head by ``head_mask`` (broadcast
+        to ``(..., H)``), gate by the queries ``x`` ``(..., dim)``, project."""
         if head_mask is not None:
-            if head_mask.shape not in ((h,), (b, h)):
-                raise ValueError(
-                    f"head_mask must have shape ({h},) or ({b}, {h}) (the heads present), got {tuple(head_mask.shape)}"
-                )
-            out = out * head_mask.reshape(-1, h, 1, 1)  # (B or 1, H, 1, 1): broadcast over tokens
-        merged = out.transpose(1, 2).reshape(b, lq, h * hd)  # (B, Lq, H * hd)
+            heads = merged.unflatten(-1, (self.num_heads, self.head_dim))  # (..., H, hd)
+            merged = (heads * head_mask[..., None]).flatten(-2)
         if self.gate_proj is not None:
             merged = self.gate_proj(x, merged)
         return self.out_proj(merged)
@@ -433,7 +463,15 @@ def _check_context(context: torch.Tensor, context_mask: torch.Tensor | None, kv_
         )
 
 
-def _check_queries(
+def check_head_mask(head_mask: torch.Tensor | None, batch: int, heads: int) -> None:
+    """``head_mask``, if any, must be ``(H,)`` or ``(B, H)`` over the heads present."""
+    if head_mask is not None and head_mask.shape not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"head_mask must have shape ({heads},) or ({batch}, {heads}) (the heads present), got {tuple(head_mask.shape)}"
+        )
+
+
+def check_queries(
     x: torch.Tensor, dim: int, kv: ProjectedContext, heads: int, context_index: torch.Tensor | None
 ) -> None:
     """``x`` must be ``(B, Lq, dim)``, ``kv`` have the layer's heads and one row per row of ``x`` or

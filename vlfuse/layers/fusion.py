@@ -1,4 +1,9 @@
-"""Fusion blocks: text tokens read image tokens through gated cross-attention."""
+"""Fusion blocks: text tokens read image tokens through gated cross-attention.
+
+The blocks work on packed tokens (:mod:`vlfuse.layers.packing`): every per-token step runs on the
+real question tokens alone, and attention once per image over the tokens of all its questions.
+Padding positions pass through a block unchanged.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,9 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext
+from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext, check_head_mask, check_queries
 from vlfuse.layers.local_attention import LocalLayout, LocalSelfAttention
+from vlfuse.layers.packing import ContextGroups, TokenPacking, per_token_head_mask
 
 MLP_TYPES = ("gelu", "swiglu")
 
@@ -137,18 +143,56 @@ class FusionBlock(nn.Module):
             head_mask: ``(H,)`` or ``(B, H)`` factors on the cross-attention heads' outputs (see
                 :meth:`~vlfuse.layers.CrossAttention.forward`).
         """
-        if self.self_attn is not None:
-            h = self.norm_self(x)
-            x = x + self.drop(self.self_attn(h, h, context_mask=text_mask))
-        h = self.norm_cross(x)
-        attended = self.cross_attn(
-            h, context, context_mask=context_mask, kv=kv, context_index=context_index, need_weights=need_weights,
-            head_mask=head_mask,
+        kv = self.cross_attn.keys_values(context, context_mask, kv)
+        check_queries(x, self.cross_attn.dim, kv, self.cross_attn.num_heads, context_index)
+        check_head_mask(head_mask, x.shape[0], self.cross_attn.num_heads)
+        packing, groups = pack_queries(x, text_mask, context_index, kv.batch_size)
+        tokens, weights = self.forward_packed(
+            packing.pack(x), kv, packing, groups, need_weights=need_weights, head_mask=per_token_head_mask(head_mask, packing)
         )
-        attended, weights = attended if need_weights else (attended, None)
-        x = x + self._gate(self.gate_attn, self.drop(attended))
-        x = x + self._gate(self.gate_mlp, self.drop(self.mlp(self.norm_mlp(x))))
-        return (x, weights) if need_weights else x
+        out = packing.unpack(tokens, x)
+        return (out, unpack_weights(weights, packing)) if need_weights else out
+
+    def forward_packed(
+        self,
+        tokens: torch.Tensor,
+        kv: ProjectedContext,
+        packing: TokenPacking,
+        groups: ContextGroups,
+        *,
+        need_weights: bool = False,
+        head_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` on the real tokens ``(N, dim)`` of ``packing``'s rows, each reading its image in ``groups``.
+
+        Returns:
+            ``(tokens (N, dim), cross-attention weights (N, H, Li) or None)``; ``head_mask``: ``(H,)`` or ``(N, H)``.
+        """
+        if self.self_attn is not None:  # over the padded rows, with the text mask
+            h = self.norm_self(tokens)
+            rows = packing.unpack(h, h.new_zeros(packing.batch, packing.length, h.shape[-1]))  # (B, Lt, dim)
+            tokens = tokens + self.drop(packing.pack(self.self_attn(rows, rows, context_mask=packing.mask)))
+        attended, weights = self.cross_attn.attend_packed(
+            self.norm_cross(tokens), kv, groups, need_weights=need_weights, head_mask=head_mask
+        )
+        tokens = tokens + self._gate(self.gate_attn, self.drop(attended))
+        tokens = tokens + self._gate(self.gate_mlp, self.drop(self.mlp(self.norm_mlp(tokens))))
+        return tokens, weights
+
+
+def pack_queries(
+    x: torch.Tensor, text_mask: torch.Tensor | None, image_index: torch.Tensor | None, num_images: int
+) -> tuple[TokenPacking, ContextGroups]:
+    """The real tokens of the text ``x`` ``(B, Lt, dim)`` and, grouped by image, what each reads."""
+    packing = TokenPacking(x.shape[0], x.shape[1], text_mask, device=x.device)
+    image_of_token = packing.rows if image_index is None else image_index[packing.rows]  # (N,)
+    return packing, ContextGroups(image_of_token, num_images)
+
+
+def unpack_weights(weights: torch.Tensor, packing: TokenPacking) -> torch.Tensor:
+    """Packed weights ``(N, H, Li) -> (B, H, Lt, Li)``, zero at padding positions."""
+    padding = weights.new_zeros(packing.batch, packing.length, *weights.shape[1:])  # (B, Lt, H, Li)
+    return packing.unpack(weights, padding).transpose(1, 2)
 
 
 class FusionStack(nn.Module):
@@ -210,11 +254,16 @@ class FusionStack(nn.Module):
         elif len(head_masks) != len(self.blocks):
             raise ValueError(f"got head masks for {len(head_masks)} layers, the stack has {len(self.blocks)}")
         wanted = set(weights_from)
+        for block, kv, head_mask in zip(self.blocks, kvs, head_masks):
+            check_queries(x, block.cross_attn.dim, kv, block.cross_attn.num_heads, image_index)
+            check_head_mask(head_mask, x.shape[0], block.cross_attn.num_heads)
+        packing, groups = pack_queries(x, text_mask, image_index, kvs[0].batch_size)
+        tokens = packing.pack(x)  # (N, dim)
         weights: dict[int, torch.Tensor] = {}
-        common = dict(text_mask=text_mask, context_index=image_index)
         for i, (block, kv, head_mask) in enumerate(zip(self.blocks, kvs, head_masks)):
-            if i in wanted:
-                x, weights[i] = block(x, kv=kv, need_weights=True, head_mask=head_mask, **common)
-            else:
-                x = block(x, kv=kv, head_mask=head_mask, **common)
-        return x, weights
+            tokens, layer_weights = block.forward_packed(
+                tokens, kv, packing, groups, need_weights=i in wanted, head_mask=per_token_head_mask(head_mask, packing)
+            )
+            if layer_weights is not None:
+                weights[i] = unpack_weights(layer_weights, packing)
+        return packing.unpack(tokens, x), weights

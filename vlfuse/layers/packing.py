@@ -1,0 +1,100 @@
+"""Packed tokens: the real tokens of padded rows, one after another, grouped by the context they read.
+
+Questions of different lengths arrive padded, ``(B, L, dim)`` with a ``(B, L)`` mask, and with many
+questions per image. The per-token work of a fusion block (norms, projections, gates, MLP,
+dropout) runs on the real tokens alone, packed to ``(N, dim)`` (:class:`TokenPacking`); attention
+runs once per image over the real tokens of all its questions, ``(Bc, Lg, ...)``
+(:class:`ContextGroups`), instead of over every question's padded rows side by side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenPacking:
+    """Where the real tokens of padded rows go when packed one after another, and back.
+
+    Args:
+        batch: ``B``, the number of rows.
+        length: ``L``, the padded length of a row.
+        mask: ``(B, L)`` bool, True for real tokens; ``None``: every token is real (packing is
+            then a reshape, no copy).
+        device: where the index tensors live when there is no ``mask``.
+
+    Attributes:
+        mask: the ``mask`` given.
+        rows: ``(N,)`` the row of each packed token, in packed order (row by row, left to right).
+    """
+
+    def __init__(self, batch: int, length: int, mask: torch.Tensor | None = None, device=None) -> None:
+        if mask is not None and mask.shape != (batch, length):
+            raise ValueError(f"text mask must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
+        self.batch, self.length, self.mask = batch, length, mask
+        self.index = None if mask is None or bool(mask.all()) else mask.flatten().nonzero().squeeze(1)  # (N,)
+        if self.index is None:
+            device = mask.device if mask is not None else device
+            self.rows = torch.arange(batch, device=device).repeat_interleave(length)
+        else:
+            self.rows = self.index.div(length, rounding_mode="floor")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, L, *rest) -> (N, *rest)``: the real tokens."""
+        flat = x.reshape(self.batch * self.length, *x.shape[2:])
+        return flat if self.index is None else flat.index_select(0, self.index)
+
+    def unpack(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        """``(N, *rest) -> (B, L, *rest)``: the real tokens back in their rows, ``padding`` ``(B, L, *rest)``
+        where there is none."""
+        if self.index is None:
+            return tokens.view(self.batch, self.length, *tokens.shape[1:])
+        flat = padding.reshape(self.batch * self.length, *padding.shape[2:])
+        return flat.index_copy(0, self.index, tokens).view_as(padding)
+
+
+def per_token_head_mask(head_mask: torch.Tensor | None, packing: TokenPacking) -> torch.Tensor | None:
+    """A per-row head mask ``(B, H)`` as ``(N, H)``, one row per packed token; ``(H,)`` or ``None`` as given."""
+    return head_mask[packing.rows] if head_mask is not None and head_mask.dim() == 2 else head_mask
+
+
+class ContextGroups:
+    """Packed tokens laid out by the context row (image) they attend to: ``(N, C) -> (Bc, Lg, C)``.
+
+    Group ``c`` holds, in packed order, the tokens whose context is ``c``, followed by zeros up to
+    ``Lg``, the size of the largest group; :meth:`ungroup` drops the zeros again.
+
+    Args:
+        context: ``(N,)`` the context row of each token.
+        num_contexts: ``Bc``, the number of context rows.
+
+    Attributes:
+        context: ``(N,)`` as given.
+        size: ``Lg``, the longest group.
+    """
+
+    def __init__(self, context: torch.Tensor, num_contexts: int) -> None:
+        counts = torch.bincount(context, minlength=num_contexts)  # (Bc,)
+        order = torch.argsort(context, stable=True)
+        first = torch.cumsum(counts, 0) - counts  # (Bc,) where each group starts in ``order``
+        slot = torch.empty_like(context)
+        slot[order] = torch.arange(len(context), device=context.device) - first[context[order]]
+        self.context, self.num_contexts = context, num_contexts
+        self.size = int(counts.max()) if len(context) else 0
+        self.destination = context * self.size + slot  # (N,) row of each token in (Bc * Lg)
+        # Groups of equal size in packed order (e.g. one unpadded question per image): a reshape.
+        self.in_place = len(context) == num_contexts * self.size and bool((context[1:] >= context[:-1]).all())
+
+    def group(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``(N, C) -> (Bc, Lg, C)``, zeros in the unused slots."""
+        if self.in_place:
+            return tokens.view(self.num_contexts, self.size, -1)
+        grouped = tokens.new_zeros(self.num_contexts * self.size, tokens.shape[1])
+        return grouped.index_copy(0, self.destination, tokens).view(self.num_contexts, self.size, -1)
+
+    def ungroup(self, grouped: torch.Tensor) -> torch.Tensor:
+        """``(Bc, Lg, C) -> (N, C)``."""
+        flat = grouped.reshape(self.num_contexts * self.size, -1)
+        return flat if self.in_place else flat.index_select(0, self.destination)
