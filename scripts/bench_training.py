@@ -47,6 +47,15 @@ def train_step(model, optimizer, batch) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def deterministic_train_step(model, optimizer, batch) -> None:
+    """:func:`train_step` under ``torch.use_deterministic_algorithms`` (what ``--trainer.deterministic true`` sets)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        train_step(model, optimizer, batch)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def image_part(model, batch) -> None:
     tokens = model.embed_images(batch["pixel_values"])
     tokens.backward(torch.ones_like(tokens))
@@ -73,6 +82,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=None, help="images per batch (default: the config's)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also time the whole step with torch's deterministic algorithms, in the same round-robin")
     args = parser.parse_args()
 
     model, batches = load_model_and_batches(args.config, args.batches, args.batch_size)
@@ -91,6 +102,8 @@ def main() -> None:
         "text encoder": lambda i: text_part(model, batches[i]),
         "fusion stack + readout": lambda i: fusion_part(model, batches[i], *cached[i]),
     }
+    if args.deterministic:
+        parts["whole step, deterministic algorithms"] = lambda i: deterministic_train_step(model, optimizer, batches[i])
     def in_turn(part):
         """``part`` as one timed call: its k-th call runs on batch k mod n, from cleared gradients."""
         batch_index = itertools.cycle(range(len(batches)))
