@@ -62,6 +62,15 @@ def train_step(model, optimizer, batch) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def deterministic_train_step(model, optimizer, batch) -> None:
+    """:func:`train_step` under ``torch.use_deterministic_algorithms`` (what ``--trainer.deterministic true`` sets)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        train_step(model, optimizer, batch)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def image_part(model, batch) -> None:
     tokens = model.embed_images(batch["pixel_values"])
     tokens.backward(torch.ones_like(tokens))
@@ -99,6 +108,8 @@ def break_down(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         "text encoder": lambda i: text_part(model, batches[i]),
         "fusion stack + readout": lambda i: fusion_part(model, batches[i], *cached[i]),
     }
+    if args.deterministic:
+        parts["whole step, deterministic algorithms"] = lambda i: deterministic_train_step(model, optimizer, batches[i])
     def in_turn(part):
         """``part`` as one timed call: its k-th call runs on batch k mod n, from cleared gradients."""
         batch_index = itertools.cycle(range(len(batches)))
@@ -238,6 +249,8 @@ def main() -> None:
     add_threads_argument(parser)
     parser.add_argument("--against", metavar="REV",
                         help="time the whole training step against the package at git revision REV, side by side")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also time the whole step with torch's deterministic algorithms, in the same round-robin")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a worker of --against
     args = parser.parse_args()
     set_threads(args.threads)

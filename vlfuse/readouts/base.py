@@ -35,14 +35,16 @@ def encode_distinct(text_encoder: "TextEncoder", input_ids: torch.Tensor, attent
 
     Datasets repeat questions (easy-VQA has a few hundred distinct ones); the encoder output
     depends on the question alone, so duplicates are gathered, not recomputed. Gradients flow
-    back through the gather to every use.
+    back through the gather to every use. The gather is ``index_select``, whose backward adds
+    each use's gradient in a fixed order: ``states[inverse]`` adds them with parallel atomic adds
+    on CPU (2+ threads), so the same step gave different text-encoder gradients from run to run.
     """
     tokens = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)  # (Bq, 2 * Lt)
     distinct, inverse = torch.unique(tokens, dim=0, return_inverse=True)
     if len(distinct) == len(tokens):
         return text_encoder(input_ids, attention_mask)
     ids, mask = distinct.split(input_ids.shape[1], dim=1)
-    return text_encoder(ids, mask)[inverse]
+    return text_encoder(ids, mask).index_select(0, inverse)
 
 
 class Readout(nn.Module):
