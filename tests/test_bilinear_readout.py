@@ -9,6 +9,7 @@ from vlfuse.analysis.head_scores import score_heads
 from vlfuse.analysis.pruning import heads_to_prune, prune_model
 from vlfuse.model import VLFuseModel
 from vlfuse.readouts import BilinearReadout, PoolReadout
+from vlfuse.readouts.bilinear import QuadraticForms
 
 from conftest import logits, make_model, tiny_config
 
@@ -50,6 +51,16 @@ def test_the_bilinear_readout_learns_a_negated_comparison_that_the_pooled_readou
     pooled = train_readout(PoolReadout(config, ["no", "yes"], text_width=13, grid_size=(1, 1)))
     assert bilinear > 0.97
     assert pooled < 0.8  # a linear function of the state: about the 3/4 that one feature gives
+
+
+def test_quadratic_forms_compute_what_nn_bilinear_computes_on_a_vector_and_itself():
+    torch.manual_seed(0)
+    forms, reference = QuadraticForms(6, 4), torch.nn.Bilinear(6, 6, 4, bias=False)
+    with torch.no_grad():
+        forms.weight.normal_()
+        reference.weight.copy_(forms.weight)
+    h = torch.randn(5, 6)
+    torch.testing.assert_close(forms(h), reference(h, h))
 
 
 def test_the_products_start_at_zero_and_every_parameter_gets_a_gradient():
