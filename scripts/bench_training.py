@@ -164,11 +164,12 @@ class Worker:
     Args:
         tree: a source tree holding the ``vlfuse`` package, put first on the worker's ``PYTHONPATH``.
         name: how to name the tree in messages.
-        args: this script's arguments (config, batches, batch size, threads).
+        args: this script's arguments (batches, batch size, threads).
+        config: the config the worker builds its model and batches from.
     """
 
-    def __init__(self, tree: Path, name: str, args: argparse.Namespace) -> None:
-        command = [sys.executable, str(Path(__file__).resolve()), "--serve", "--config", str(args.config.resolve()),
+    def __init__(self, tree: Path, name: str, args: argparse.Namespace, config: Path) -> None:
+        command = [sys.executable, str(Path(__file__).resolve()), "--serve", "--config", str(config),
                    "--batches", str(args.batches), "--threads", str(args.threads)]
         if args.batch_size:
             command += ["--batch-size", str(args.batch_size)]
@@ -212,13 +213,25 @@ def export_revision(revision: str, into: Path) -> str:
     return commit[:7]
 
 
+def config_in_tree(config: Path, tree: Path) -> Path:
+    """``config`` as the exported ``tree`` has it, when it is a file of this repository (so that REV's
+    default is timed with REV's default config); any other config as it is."""
+    config = config.resolve()
+    if config.is_relative_to(REPO) and (tree / config.relative_to(REPO)).exists():
+        return tree / config.relative_to(REPO)
+    return config
+
+
 def compare_revisions(args: argparse.Namespace) -> None:
     """The whole training step of this tree and of ``args.against``, timed in turn, side by side."""
     with tempfile.TemporaryDirectory(prefix="bench_training_") as folder:
         other = export_revision(args.against, Path(folder))
         workers = {}
         try:
-            workers = {"this tree": Worker(REPO, "this tree", args), other: Worker(Path(folder), other, args)}
+            workers = {
+                "this tree": Worker(REPO, "this tree", args, args.config.resolve()),
+                other: Worker(Path(folder), other, args, config_in_tree(args.config, Path(folder))),
+            }
             mine, theirs = workers.values()
             if (mine.questions, mine.images) != (theirs.questions, theirs.images):
                 raise SystemExit(f"error: --against {args.against}: the two trees made different batches "
@@ -248,7 +261,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="images per batch (default: the config's)")
     add_threads_argument(parser)
     parser.add_argument("--against", metavar="REV",
-                        help="time the whole training step against the package at git revision REV, side by side")
+                        help="time the whole training step against the package at git revision REV, side by side; "
+                             "each tree with its own version of --config (REV's default as it was)")
     parser.add_argument("--deterministic", action="store_true",
                         help="also time the whole step with torch's deterministic algorithms, in the same round-robin")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a worker of --against
