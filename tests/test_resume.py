@@ -185,7 +185,8 @@ def test_loader_whose_sampler_lightning_replaced_iterates_in_that_samplers_order
 # ---------------------------------------------------------------------------------- whole runs
 def test_resume_from_epoch_checkpoint_repeats_the_uninterrupted_losses_and_weights(uninterrupted, tmp_path, one_thread):
     checkpoint = uninterrupted / "checkpoints" / "epoch=0-step=6.ckpt"
-    assert main(fit_args(tmp_path, f"--ckpt_path={checkpoint}")) == 0
+    # Every epoch kept, as in the reference: last.ckpt then is the final epoch's, whether or not it was the best.
+    assert main(fit_args(tmp_path, f"--ckpt_path={checkpoint}", "--checkpoint.save_top_k=-1")) == 0
     resumed, reference = epoch_metrics(tmp_path), epoch_metrics(uninterrupted)
     assert sorted(resumed) == [1, 2]
     for epoch in (1, 2):
