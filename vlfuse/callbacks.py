@@ -13,13 +13,13 @@ Add them to any config or command line, e.g.::
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Callable
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from vlfuse.analysis.grouped_accuracy import accuracy_by_group
 from vlfuse.data.easy_vqa import question_kind
 
 MODEL_PARTS = ("image_encoder", "image_proj", "text_encoder", "text_proj", "fusion", "readout")
@@ -43,18 +43,9 @@ class GroupAccuracy(Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        model, device = pl_module.model, pl_module.device
-        correct, total = Counter(), Counter()
-        with torch.inference_mode():
-            for batch in trainer.datamodule.val_dataloader():
-                tokens = {k: v.to(device) for k, v in model.tokenize(batch["questions"]).items()}
-                output = model(batch["pixel_values"].to(device), **tokens, image_index=batch["image_index"].to(device))
-                for question, guess, label in zip(
-                    batch["questions"], output.logits.argmax(-1).tolist(), batch["labels"].tolist()
-                ):
-                    group = self.group_of(question)
-                    total[group] += 1
-                    correct[group] += guess == label
+        correct, total = accuracy_by_group(
+            pl_module.model, trainer.datamodule.val_dataloader(), lambda row, question: self.group_of(question)
+        )
         for group in sorted(total):
             pl_module.log(f"val_group/{group}", correct[group] / total[group], sync_dist=True)
 

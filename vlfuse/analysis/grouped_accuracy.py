@@ -17,14 +17,16 @@ def accuracy_by_group(
     """``(correct, total)`` per group; ``group_of(row, question)`` names the group of each question.
 
     ``row`` counts the questions in loader order, from 0; ``batches`` come from
-    :func:`vlfuse.data.collate_grouped`.
+    :func:`vlfuse.data.collate_grouped` and are moved to the model's device.
     """
     correct, total = Counter(), Counter()
     row = 0
+    device = next(model.parameters()).device
     with torch.inference_mode():
         for batch in batches:
-            tokens = model.tokenize(batch["questions"])
-            predicted = model(batch["pixel_values"], **tokens, image_index=batch["image_index"]).logits.argmax(-1)
+            tokens = {name: ids.to(device) for name, ids in model.tokenize(batch["questions"]).items()}
+            pixels, image_index = batch["pixel_values"].to(device), batch["image_index"].to(device)
+            predicted = model(pixels, **tokens, image_index=image_index).logits.argmax(-1)
             for question, guess, label in zip(batch["questions"], predicted.tolist(), batch["labels"].tolist()):
                 group = group_of(row, question)
                 total[group] += 1
