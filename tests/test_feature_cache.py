@@ -168,6 +168,25 @@ def test_the_loader_stops_decoding_once_every_image_is_cached_and_decodes_when_o
     assert dataset.decode_images
 
 
+def test_the_dataset_decodes_each_image_once_while_its_budget_lasts(tmp_path, monkeypatch):
+    from vlfuse.data import dataset as dataset_module
+
+    records = image_files(tmp_path, 4)
+    decoded = []
+    real = dataset_module.preprocess_image
+    monkeypatch.setattr(dataset_module, "preprocess_image", lambda source, size: decoded.append(source) or real(source, size))
+    one_image = 3 * 32 * 32 * 4  # bytes of a (3, 32, 32) float32 tensor
+    for budget, decodes_per_epoch in [(4 * one_image, [4, 0]), (2 * one_image, [4, 2]), (0, [4, 4])]:
+        dataset = GroupedVQADataset(records, AnswerVocab(ANSWERS), 32, keep_decoded_bytes=budget)
+        epochs = []
+        for expected in decodes_per_epoch:
+            decoded.clear()
+            epochs.append([dataset[i]["pixel_values"] for i in range(4)])
+            assert len(decoded) == expected, budget
+        for record, first, second in zip(records, *epochs):
+            assert torch.equal(first, real(record.image, 32)) and torch.equal(second, first)
+
+
 def test_images_held_in_memory_are_always_decoded_and_cached_by_their_pixels(one_thread):
     model = frozen_model(cache=True).train()
     records, batch = toy_batch(n_images=2)
@@ -217,10 +236,13 @@ def test_the_token_cache_pads_as_the_minilm_tokenizer_does():
             assert torch.equal(tokens[name], expected[name]), name
 
 
-def test_a_model_without_a_text_cache_tokenizes_every_batch():
-    model = frozen_model(cache=False).train()
-    model.tokenize(QUESTIONS)
-    assert len(model.question_tokens.tokens) == 0
+def test_training_keeps_the_tokens_of_each_question_cache_or_not_and_inference_keeps_none():
+    model = frozen_model(cache=False, freeze_text=False).train()
+    assert model.text_encoder.cache is None
+    model.tokenize(QUESTIONS + QUESTIONS[:1])
+    assert len(model.question_tokens.tokens) == len(set(QUESTIONS))
+    model.eval().tokenize(["a question asked once, at inference"])
+    assert len(model.question_tokens.tokens) == len(set(QUESTIONS))
 
 
 class StepLosses(Callback):
