@@ -48,50 +48,6 @@ def test_groups_hold_each_contexts_tokens_in_order_then_zeros():
     torch.testing.assert_close(groups.ungroup(grouped), tokens, rtol=0, atol=0)
 
 
-def test_a_context_with_more_tokens_than_a_chunk_spreads_over_rows():
-    context = torch.tensor([2, 0, 2, 2, 1, 0, 2, 2])
-    tokens = torch.arange(1.0, 9.0)[:, None]  # token i holds i + 1
-    groups = ContextGroups(context, num_contexts=4, chunk=2)
-    assert (groups.num_rows, groups.size) == (6, 2)
-    assert groups.row_context.tolist() == [0, 1, 2, 2, 2, 3]
-    assert groups.group(tokens)[:, :, 0].tolist() == [[2, 6], [5, 0], [1, 3], [4, 7], [8, 0], [0, 0]]
-    torch.testing.assert_close(groups.ungroup(groups.group(tokens)), tokens, rtol=0, atol=0)
-    keys = torch.arange(4.0)[:, None]  # (Bc, 1): one value per context
-    assert groups.rows(keys)[:, 0].tolist() == [0, 1, 2, 2, 2, 3]
-    assert ContextGroups(context, num_contexts=4, chunk=None).row_context is None  # one row per context
-
-
-@pytest.mark.parametrize("with_mask", [False, True])
-def test_rows_of_part_of_a_context_attend_as_one_row_of_all_of_it(with_mask):
-    """Chunking changes only the padding: outputs, weights and gradients are those of one row per context."""
-    from vlfuse.layers import CrossAttention
-
-    torch.manual_seed(0)
-    attention = CrossAttention(32, 4, kv_dim=24, output_gate=True)
-    images = torch.randn(3, 9, 24)
-    mask = torch.ones(3, 9, dtype=torch.bool)
-    if with_mask:
-        mask[1, 4:] = False
-        mask[2] = False  # no key at all: zero output
-    context = torch.tensor([2, 0, 2, 2, 1, 0, 2, 2, 1, 2, 2])
-    tokens = torch.randn(len(context), 32)
-    results = []
-    for chunk in (None, 2, 3):
-        attention.zero_grad()
-        kv = attention.project_context(images, mask)
-        out, weights = attention.attend_packed(tokens, kv, ContextGroups(context, 3, chunk=chunk), need_weights=True)
-        (out.square().sum() + weights.square().sum()).backward()
-        results.append((out, weights, [p.grad.clone() for p in attention.parameters()]))
-        fast, no_weights = attention.attend_packed(tokens, kv, ContextGroups(context, 3, chunk=chunk))  # SDPA
-        assert no_weights is None
-        torch.testing.assert_close(fast, out, atol=ATOL, rtol=0)
-    for out, weights, grads in results[1:]:
-        torch.testing.assert_close(out, results[0][0], atol=ATOL, rtol=0)
-        torch.testing.assert_close(weights, results[0][1], atol=ATOL, rtol=0)
-        for grad, reference in zip(grads, results[0][2]):
-            torch.testing.assert_close(grad, reference, atol=ATOL, rtol=1e-5)
-
-
 def test_equal_sorted_groups_are_laid_out_in_place():
     tokens = torch.randn(6, 4)
     groups = ContextGroups(torch.tensor([0, 0, 1, 1, 2, 2]), num_contexts=3)

@@ -334,7 +334,7 @@ class CrossAttention(nn.Module):
             return (out, weights) if need_weights else out
         key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (B, 1, Lk)
         q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
-        out, weights = self._attend(q, kv, None if key_mask is None else key_mask.attend, need_weights)
+        out, weights = self._attend(q, kv, key_mask, need_weights)
         out = self._merge_heads(out, x, head_mask)  # (B, Lq, dim)
         if key_mask is not None:
             out, weights = key_mask.zero_empty(out, weights)
@@ -366,12 +366,10 @@ class CrossAttention(nn.Module):
         """
         n, h, hd = len(tokens), self.num_heads, self.head_dim
         key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (Bc, 1, Lk)
-        q = groups.group(self.q_proj(tokens))  # (R, Lg, H * hd): a row of tokens per context or part of one
-        q = q.view(groups.num_rows, groups.size, h, hd).transpose(1, 2)  # (R, H, Lg, hd)
-        row_kv = ProjectedContext(groups.rows(kv.key), groups.rows(kv.value))  # (R, H, Lk, hd) each
-        row_mask = None if key_mask is None else groups.rows(key_mask.attend)  # (R, 1, 1, Lk)
-        out, weights = self._attend(q, row_kv, row_mask, need_weights)
-        merged = groups.ungroup(out.transpose(1, 2).reshape(groups.num_rows, groups.size, h * hd))  # (N, H * hd)
+        q = groups.group(self.q_proj(tokens))  # (Bc, Lg, H * hd)
+        q = q.view(groups.num_contexts, groups.size, h, hd).transpose(1, 2)  # (Bc, H, Lg, hd)
+        out, weights = self._attend(q, kv, key_mask, need_weights)
+        merged = groups.ungroup(out.transpose(1, 2).reshape(groups.num_contexts, groups.size, h * hd))  # (N, H * hd)
         if weights is not None:
             weights = groups.ungroup(weights.transpose(1, 2).flatten(2)).view(n, h, -1)  # (N, H, Lk)
         out = self._project_out(merged, tokens, head_mask)  # (N, dim)
@@ -380,12 +378,11 @@ class CrossAttention(nn.Module):
         return out, weights
 
     def _attend(
-        self, q: torch.Tensor, kv: ProjectedContext, mask: torch.Tensor | None, need_weights: bool
+        self, q: torch.Tensor, kv: ProjectedContext, key_mask: KeyMask | None, need_weights: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The core on ``q`` ``(Bc, H, Lq, hd)`` against ``kv``'s rows, under ``mask`` (a
-        :attr:`KeyMask.attend`): ``(out (Bc, H, Lq, hd), weights or None)``."""
+        """The core on ``q`` ``(Bc, H, Lq, hd)`` against ``kv``'s rows: ``(out (Bc, H, Lq, hd), weights or None)``."""
         return attention_core(
-            q, kv.key, kv.value, mask,
+            q, kv.key, kv.value, None if key_mask is None else key_mask.attend,
             dropout_p=self.dropout if self.training else 0.0, use_sdpa=self.use_sdpa, need_weights=need_weights,
             normalize=self.normalize,
         )
