@@ -130,3 +130,17 @@ def test_object_recall_matches_each_sentence_to_an_object_that_makes_it_true():
     scene = scene_of("rs bc .", ". . .", ". . rs")
     caption = "there is a red square . a red square is left of a blue circle ."
     assert object_recall(caption, scene) == (2, 3)
+
+
+def test_caption_errors_sorts_each_false_sentence_by_kind():
+    from conftest import load_script
+    from vlfuse.captioning.grammar import parse_leniently
+
+    sentence_error = load_script("caption_errors").sentence_error
+    caption = (
+        "a red square is left of a blue circle . a red square is above a blue circle . "  # true; wrong neighbour
+        "there is a red circle . a green circle is left of a red square . "  # no such subject, twice
+        "a square is red ."  # not the grammar
+    )
+    kinds = [sentence_error(s, ISSUE_SCENE) for s in parse_leniently(caption)]
+    assert kinds == [None, "wrong neighbour", "no such subject", "no such subject", "unparsed"]
