@@ -40,6 +40,7 @@ from vlfuse.analysis.data import read_config
 from vlfuse.analysis.figures import new_figure
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.baselines import BowCNN, FiLMNet
+from vlfuse.baselines.bow_cnn import mean_pixel
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules import VQADataModule
 from vlfuse.encoders.tokenizer import build_word_tokenizer
@@ -47,6 +48,8 @@ from vlfuse.lit import VLFuseLitModule, warmup_cosine
 from vlfuse.model import VLFuseConfig
 
 MODELS = ("bow_cnn", "film", "vlfuse")
+MEAN_PIXEL_IMAGES = 256
+"""How many training images (the first, in order) give BowCNN's ``pixel_mean``."""
 PEER_ONLY = ("width", "schedule", "image_size")
 SCHEDULES = ("constant", "cosine")
 
@@ -145,7 +148,10 @@ def build_module(name: str, settings: Settings, datamodule: VQADataModule, confi
     tokenizer = build_word_tokenizer(datamodule.train_questions, max_length=32)
     size = dict(vocab_size=len(tokenizer), num_answers=len(datamodule.answers))
     if name == "bow_cnn":
-        return PeerLitModule(BowCNN(**size, image_size=settings.image_size, width=settings.width), tokenizer, settings)
+        train = datamodule.dataset("train")
+        pixel_mean = mean_pixel([train.pixels(i) for i in range(min(MEAN_PIXEL_IMAGES, len(train)))])
+        model = BowCNN(**size, image_size=settings.image_size, width=settings.width, pixel_mean=pixel_mean.tolist())
+        return PeerLitModule(model, tokenizer, settings)
     stem_layers = (settings.image_size // 8).bit_length() - 1  # strided layers down to an 8x8 grid
     if settings.image_size != 8 * 2**stem_layers:
         raise SystemExit(f"error: --set film.image_size={settings.image_size}: FiLM needs 8 times a power of two (16, 32, 64)")
