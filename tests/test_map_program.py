@@ -279,6 +279,7 @@ def scene_cells(scene) -> torch.Tensor:
     return cells
 
 
+@pytest.mark.slow  # trains the reader for about 2 minutes on 2 cores (137 s in CI): run with -m slow
 def test_reader_answers_new_compositions_of_known_words():
     """Trained on some SHAPES questions over exact cell features, it answers held-out ones.
 
