@@ -22,9 +22,11 @@ from collections import Counter
 
 import torch
 from _common import add_threads_argument, set_threads
+from torch.utils.data import DataLoader
 
 from vlfuse.captioning.generate import greedy
-from vlfuse.captioning.grammar import describe_sentences, fact_precision, object_recall, parse_leniently, witnesses
+from vlfuse.captioning.grammar import describe_sentences, parse_leniently, witnesses
+from vlfuse.captioning.metrics import SceneCaptionScores
 from vlfuse.captioning.model import CaptionModel
 from vlfuse.data.captions import collate_captions
 from vlfuse.datamodules.captions import ShapesCaptionsDataModule
@@ -54,24 +56,24 @@ def main() -> None:
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"error: --model {args.model}: {err}") from None
     data = ShapesCaptionsDataModule(num_test_scenes=args.scenes, image_size=model.config.image.image_size)
-    dataset = data.dataset("test")
+    loader = DataLoader(data.dataset("test"), batch_size=args.batch_size, collate_fn=collate_captions)
+    scores = SceneCaptionScores()
     kinds: Counter = Counter()
-    true_facts = facts = described = objects = 0
     examples = []
     with torch.no_grad():
-        for start in range(0, len(dataset), args.batch_size):
-            batch = collate_captions([dataset[i] for i in range(start, min(start + args.batch_size, len(dataset)))])
+        for batch in loader:
             captions = [c.text for c in greedy(model, model.encode_images(batch["pixel_values"]))]
+            scores.update(captions, batch["scenes"])
             for caption, scene, references in zip(captions, batch["scenes"], batch["references"]):
-                right, said = fact_precision(caption, scene)
-                found, present = object_recall(caption, scene)
-                true_facts, facts, described, objects = true_facts + right, facts + said, described + found, objects + present
                 errors = [e for e in (sentence_error(s, scene) for s in parse_leniently(caption)) if e is not None]
                 kinds.update(errors)
                 if errors and len(examples) < args.examples:
                     examples.append((references[0], caption, errors))
-    print(f"{len(dataset)} test scenes: fact precision {true_facts / facts:.4f} ({facts - true_facts} false of {facts} "
-          f"sentences), object recall {described / objects:.4f} ({objects - described} of {objects} objects missed)")
+    result = scores.compute()
+    sentences, objects = int(scores.sentences), int(scores.objects)
+    print(f"{len(loader.dataset)} test scenes: fact precision {result['fact_precision']:.4f} "
+          f"({sentences - int(scores.true_sentences)} false of {sentences} sentences), object recall "
+          f"{result['object_recall']:.4f} ({objects - int(scores.described_objects)} of {objects} objects missed)")
     for kind, count in kinds.most_common():
         print(f"  {kind}: {count}")
     for reference, caption, errors in examples:
