@@ -13,6 +13,8 @@ pass and the optimizer.
     .venv/bin/python scripts/bench_feature_cache.py --config configs/easy_vqa_minilm.yaml --limit-images 200
     # a pretrained-size image encoder (timm's own sizes) instead of the config's small one:
     .venv/bin/python scripts/bench_feature_cache.py --config configs/easy_vqa_minilm.yaml --image-encoder vit_small_patch16_224
+    # ... at the resolution it was pretrained at:
+    .venv/bin/python scripts/bench_feature_cache.py --config configs/easy_vqa_minilm.yaml --image-encoder vit_small_patch16_224 --image-size 224
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ STAGES = ("load", "tokenize", "encoders", "rest of forward", "backward", "optimi
 """Where an epoch's time goes; "encoders" is the frozen encoders' forward, or the cache lookups."""
 
 
-def frozen(architecture: VLFuseConfig, cache: bool, image_encoder: str | None) -> VLFuseConfig:
+def frozen(architecture: VLFuseConfig, cache: bool, image_encoder: str | None, image_size: int | None) -> VLFuseConfig:
     image = architecture.image
     if image_encoder:
         image = dataclasses.replace(image, name=image_encoder, patch_size=None, width=None, depth=None, num_heads=None)
+    if image_size:
+        image = dataclasses.replace(image, image_size=image_size)
     return dataclasses.replace(
         architecture,
         image=dataclasses.replace(image, freeze=True, cache_features=cache),
@@ -113,18 +117,19 @@ def main() -> None:
     parser.add_argument("--limit-images", type=int, default=400, help="training images (each with its questions)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--image-encoder", help="a timm ViT at its own sizes instead of the config's image encoder")
+    parser.add_argument("--image-size", type=int, help="resize the images to this side instead of the config's "
+                        "(224: the resolution timm's pretrained ViTs were trained at)")
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2: the cache pays off from the second epoch")
 
     architecture = VLFuseConfig.from_dict(yaml.safe_load(args.config.read_text())["model"]["architecture"])
-    data = EasyVQADataModule(
-        batch_size=args.batch_size, limit_images=args.limit_images, image_size=architecture.image.image_size
-    )
+    image_size = args.image_size or architecture.image.image_size
+    data = EasyVQADataModule(batch_size=args.batch_size, limit_images=args.limit_images, image_size=image_size)
     models, optimizers, loaders, clocks = {}, {}, {}, {}
     for name, cache in (("no cache", False), ("cache", True)):
         torch.manual_seed(0)
-        models[name] = VLFuseModel.from_config(frozen(architecture, cache, args.image_encoder), data.answers, data.train_questions)
+        models[name] = VLFuseModel.from_config(frozen(architecture, cache, args.image_encoder, args.image_size), data.answers, data.train_questions)
         trainable = [p for p in models[name].parameters() if p.requires_grad]
         optimizers[name] = torch.optim.AdamW(trainable, lr=1e-4)
         loaders[name] = data.train_dataloader()  # the same shuffled order for both: one seed
@@ -140,7 +145,7 @@ def main() -> None:
     later = {name: statistics.median(sum(s.values()) for s in epochs[1:]) for name, epochs in stages.items()}
     print(
         f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {args.config} with both encoders frozen"
-        f"{f' (image encoder {args.image_encoder})' if args.image_encoder else ''}; "
+        f"{f' (image encoder {args.image_encoder})' if args.image_encoder else ''}, images at {image_size} px; "
         f"{len(data.records('train'))} images, {data.dataset('train').num_questions} questions per epoch"
     )
     print(f"epochs after the first (median): no cache {later['no cache']:.2f} s, cache {later['cache']:.2f} s; "
