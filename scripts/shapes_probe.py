@@ -2,7 +2,7 @@
 
 Takes generated training scenes (their objects are known), runs the model's image side
 (``VLFuseModel.embed_images``: image encoder and projection) and fits one logistic regression per
-attribute on the patch tokens of 70% of the cells, scored on the other 30%. Classes: empty, or
+attribute on the patch tokens (a cell's patches averaged, when the grid is not 3x3) of 70% of the cells, scored on the other 30%. Classes: empty, or
 one of the three colours (shapes). ``--untrained`` probes a freshly initialised model of the same
 config instead, the floor that training starts from.
 
@@ -32,6 +32,18 @@ def cell_labels(scenes) -> tuple[torch.Tensor, torch.Tensor]:
                 colours.append(0 if cell is None else 1 + COLOURS.index(cell.colour))
                 shapes.append(0 if cell is None else 1 + SHAPES.index(cell.shape))
     return torch.tensor(colours), torch.tensor(shapes)
+
+
+def cell_features(tokens: torch.Tensor, grid: tuple[int, int], cells: int = 3) -> torch.Tensor:
+    """Patch tokens ``(B, rows * cols, d)`` -> one feature per scene cell ``(B * cells * cells, d)``,
+    the mean of the patches whose centre lies in that cell (a 3x3 patch grid: the tokens themselves)."""
+    rows, cols = grid
+    cell_of_row = ((torch.arange(rows) + 0.5) * cells / rows).long()  # scene row of each patch row
+    cell_of_col = ((torch.arange(cols) + 0.5) * cells / cols).long()
+    cell = (cell_of_row[:, None] * cells + cell_of_col[None, :]).flatten()  # (rows * cols,)
+    assign = torch.nn.functional.one_hot(cell, cells * cells).to(tokens.dtype)  # (rows * cols, cells^2)
+    means = torch.einsum("bpd,pc->bcd", tokens, assign / assign.sum(0))  # (B, cells^2, d)
+    return means.reshape(-1, tokens.shape[-1])
 
 
 def probe_accuracy(features: torch.Tensor, labels: torch.Tensor, train_fraction: float = 0.7) -> float:
@@ -76,7 +88,7 @@ def main() -> None:
         for start in range(0, len(images), 250):
             pixels = torch.stack([preprocess_image(image, size) for image in images[start : start + 250]])
             tokens = model.embed_images(pixels)[:, model.image_encoder.num_prefix_tokens :]  # (B, cells, d)
-            features.append(tokens.reshape(-1, tokens.shape[-1]))
+            features.append(cell_features(tokens, tuple(model.image_encoder.grid_size)))
     features = torch.cat(features)
     colours, shapes = cell_labels(scenes)
     which = "untrained" if args.untrained else "trained"
