@@ -10,11 +10,12 @@ import pytest
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader
+from transformers import BertConfig, BertModel
 
 from vlfuse.data import GroupedVQADataset, ImageQuestions, collate_grouped
 from vlfuse.data.answers import AnswerVocab
 from vlfuse.datamodules import EasyVQADataModule
-from vlfuse.encoders import FeatureCache, TokenCache, load_tokenizer
+from vlfuse.encoders import FeatureCache, TextEncoder, TextEncoderConfig, TokenCache, load_tokenizer
 from vlfuse.lit import VLFuseLitModule
 from vlfuse.model import VLFuseModel
 
@@ -290,3 +291,14 @@ def test_frozen_encoders_are_in_eval_mode_from_the_start_as_lightning_never_call
     model = frozen_model(cache=False, freeze_text=True)  # built, never .train()-ed: as in `vlfuse fit`
     assert model.training and model.fusion.training
     assert not model.image_encoder.vit.training and not model.text_encoder.model.training
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_a_pretrained_text_encoder_trains_with_its_dropout_unless_frozen(tmp_path, freeze):
+    """transformers' from_pretrained returns a model in eval mode, and Lightning never calls train():
+    an encoder that is fine-tuned must start in training mode (dropout on), a frozen one in eval mode."""
+    tiny_bert = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    BertModel(tiny_bert).save_pretrained(tmp_path)
+    encoder = TextEncoder(TextEncoderConfig(name=str(tmp_path), freeze=freeze))
+    modes = {module.training for module in encoder.model.modules()}
+    assert modes == {not freeze}

@@ -79,8 +79,12 @@ class TextEncoder(nn.Module):
             raise ValueError("a from-scratch text encoder needs its transformers config")
         if getattr(self.model, "pooler", None) is not None:
             self.model.pooler = None  # unused: we pool after fusion
+        # Set the mode from the start (Lightning trains without calling train()): from_pretrained
+        # returns the model in eval mode, which would fine-tune it without its dropout.
         if config.freeze:
-            self.model.requires_grad_(False).eval()  # from the start: Lightning trains without calling train()
+            self.model.requires_grad_(False).eval()
+        else:
+            self.model.train()
         self.cache = FeatureCache() if config.freeze and config.cache_features else None
 
     def train(self, mode: bool = True) -> "TextEncoder":
