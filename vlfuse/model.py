@@ -271,19 +271,7 @@ class VLFuseModel(nn.Module):
         self.text_proj = nn.Linear(self.text_encoder.width, d)
         self.fusion = None
         if config.fusion_depth:
-            self.fusion = FusionStack(
-                config.fusion_depth,
-                d,
-                config.fusion_heads,
-                mlp_ratio=config.mlp_ratio,
-                dropout=config.dropout,
-                attn_dropout=config.attn_dropout,
-                self_attention=config.text_self_attention,
-                gated=config.gated,
-                attention_normalizer=config.attention_normalizer,
-                output_gate=config.output_gate,
-                mlp_type=config.mlp_type,
-            )
+            self.fusion = FusionStack.from_config(config, self_attention=config.text_self_attention)
         self.readout = readout(
             config, self.answers, text_width=self.text_encoder.width, grid_size=tuple(self.image_encoder.grid_size)
         )

@@ -208,6 +208,24 @@ class FusionStack(nn.Module):
             raise ValueError(f"depth must be at least 1, got {depth}")
         self.blocks = nn.ModuleList(FusionBlock(dim, num_heads, **block_kwargs) for _ in range(depth))
 
+    @classmethod
+    def from_config(cls, config, *, self_attention: bool) -> "FusionStack":
+        """The stack a model config describes (``fusion_depth``, ``fusion_dim``, ``fusion_heads`` and
+        the block options of :class:`vlfuse.model.VLFuseConfig`), with or without self-attention."""
+        return cls(
+            config.fusion_depth,
+            config.fusion_dim,
+            config.fusion_heads,
+            mlp_ratio=config.mlp_ratio,
+            dropout=config.dropout,
+            attn_dropout=config.attn_dropout,
+            self_attention=self_attention,
+            gated=config.gated,
+            attention_normalizer=config.attention_normalizer,
+            output_gate=config.output_gate,
+            mlp_type=config.mlp_type,
+        )
+
     def __len__(self) -> int:
         return len(self.blocks)
 

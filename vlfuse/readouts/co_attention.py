@@ -46,19 +46,7 @@ class CoAttentionReadout(Readout):
         self.grid_size = tuple(grid_size)
         self.grid_cells = grid_size[0] * grid_size[1]
         self.neighbours = nn.ModuleList(nn.Conv2d(d, d, 3, padding=1) for _ in range(config.fusion_depth))
-        self.patch_blocks = FusionStack(
-            config.fusion_depth,
-            d,
-            config.fusion_heads,
-            mlp_ratio=config.mlp_ratio,
-            dropout=config.dropout,
-            attn_dropout=config.attn_dropout,
-            self_attention=True,  # patches read their neighbours
-            gated=config.gated,
-            attention_normalizer=config.attention_normalizer,
-            output_gate=config.output_gate,
-            mlp_type=config.mlp_type,
-        )
+        self.patch_blocks = FusionStack.from_config(config, self_attention=True)  # patches read their neighbours
         self.norm_question = nn.LayerNorm(d)  # the fused tokens are a pre-LN residual stream
         self.norm_patches = nn.LayerNorm(d)
         self.classifier = nn.Sequential(nn.LayerNorm(d), nn.Dropout(config.dropout), nn.Linear(d, len(answers)))
