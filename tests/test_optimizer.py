@@ -46,3 +46,19 @@ def test_a_ratio_for_a_part_the_model_lacks_is_refused_with_its_parts():
     model, _ = make_model()
     with pytest.raises(ValueError, match=r"lr_ratios names no submodule of the model: \['text_encodr'\]; its parts are .*'text_encoder'"):
         optimizer_of(model, {"text_encodr": 0.1})
+
+
+def test_where_named_parts_nest_the_inner_one_sets_the_rate_whatever_the_order():
+    model, _ = make_model()
+    inner = "text_encoder.model.embeddings"
+    for ratios in ({"text_encoder": 0.1, inner: 0.5}, {inner: 0.5, "text_encoder": 0.1}):
+        settings = settings_by_parameter(optimizer_of(model, ratios))
+        for name, param in model.named_parameters():
+            expected = 0.5 if name.startswith(inner + ".") else 0.1 if name.startswith("text_encoder.") else 1.0
+            assert settings[id(param)][0] == pytest.approx(1e-3 * expected), name
+
+
+def test_the_whole_model_is_not_a_named_part():
+    model, _ = make_model()
+    with pytest.raises(ValueError, match=r"lr_ratios names no submodule of the model: \[''\]"):
+        optimizer_of(model, {"": 0.1})
