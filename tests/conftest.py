@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +19,34 @@ from vlfuse.model import VLFuseConfig, VLFuseModel
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+
+# ------------------------------------------------ parallel runs (pytest-xdist: -n auto, see pyproject.toml)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread per worker, here and in the commands the tests start: the workers already keep
+    # every core busy, and two OpenMP teams on one core spin-wait for each other.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+DOCUMENTED_EXAMPLE = re.compile(r"\[(README\.md|docs/[^\]:]+\.md):\d+\]$")
+"""The id of a test of tests/test_docs.py that runs a document's example, e.g. ``[docs/api.md:186]``."""
+
+
+def worker_scope(nodeid: str) -> str:
+    """What runs on one worker, in order: a document's examples (they build on one another in one
+    workspace), or else a test module (its module fixtures then run once)."""
+    example = DOCUMENTED_EXAMPLE.search(nodeid)
+    return example.group(1) if example else nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's load-by-scope scheduling, with :func:`worker_scope` as the scope."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleOrDocumentScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_scope(nodeid)
+
+    return ModuleOrDocumentScheduling(config, log)
 
 
 def load_script(name: str) -> ModuleType:
@@ -187,3 +217,4 @@ def batches(model) -> list[dict]:
             valid = batch["labels"] != IGNORE_INDEX
             batch["labels"][valid] = logits(model, batch).argmax(-1)[valid]
     return batches
+

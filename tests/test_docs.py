@@ -4,14 +4,16 @@ How the examples run:
 
 - Every block fenced as ``python`` or ``bash`` is a test (``text`` blocks are output, not code),
   named ``FILE:LINE`` after its opening fence, run in document order.
-- All blocks run in one workspace, a temporary folder that looks like a checkout after the README's
+- A document's blocks run in order in one workspace (under pytest-xdist, on one worker: see
+  ``worker_scope`` in tests/conftest.py), a temporary folder that looks like a checkout after the README's
   set-up: ``configs/`` and ``scripts/`` link to this repository, ``.venv/bin/python`` and
   ``.venv/bin/vlfuse`` run this interpreter with this tree first on ``PYTHONPATH`` (``.venv/bin`` is
   first on ``PATH`` too, as in an activated environment, for examples that say ``vlfuse``), and the SHAPES
   data are found through ``VLFUSE_SHAPES_DIR``; ``DATA/`` is a tiny imagefolder dataset (4 easy-VQA
   test images with their questions in each split) for the examples that name it. Files the examples write (``runs/``,
-  ``reports/``, ``pairs.jsonl``, ``docs/figures/``) go there, so blocks build on earlier ones as a
-  reader's would.
+  ``reports/``, ``pairs.jsonl``, ``docs/figures/``) go there, so blocks build on earlier ones of
+  their document as a reader's would. Each worker has a workspace of its own: a document needs
+  nothing that another document's examples write.
 - A session fixture first runs the README's main command, shrunk as below, so that
   ``runs/easy_vqa/model`` and ``runs/easy_vqa/lightning_logs/version_0/checkpoints/last.ckpt``
   exist as after the set-up (a tiny model: the examples check that commands run, not accuracy).
