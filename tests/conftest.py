@@ -39,7 +39,10 @@ def worker_scope(nodeid: str) -> str:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's load-by-scope scheduling, with :func:`worker_scope` as the scope."""
+    """pytest-xdist's load-by-scope scheduling (``--dist loadscope``, the default of pyproject.toml),
+    with :func:`worker_scope` as the scope; any other ``--dist`` keeps xdist's own scheduler."""
+    if config.getoption("dist") != "loadscope":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleOrDocumentScheduling(LoadScopeScheduling):
@@ -217,4 +220,3 @@ def batches(model) -> list[dict]:
             valid = batch["labels"] != IGNORE_INDEX
             batch["labels"][valid] = logits(model, batch).argmax(-1)[valid]
     return batches
-
