@@ -15,7 +15,6 @@ from vlfuse.readouts.map_program import (
     relative_offsets,
 )
 from vlfuse.readouts.pool import PoolReadout, masked_mean
-from vlfuse.readouts.word_steps import WordStepsReadout
 
 __all__ = [
     "OPERATIONS",
@@ -32,6 +31,5 @@ __all__ = [
     "get_readout",
     "masked_mean",
     "register_readout",
-    "WordStepsReadout",
     "relative_offsets",
 ]
