@@ -1,7 +1,7 @@
 """Training throughput of a config's model, and where the time of a training step goes.
 
 Times, round-robin on the same real batches, (1) a whole training step (forward, backward,
-AdamW), and forward+backward of each stage of the model on its own: (2) the image encoder and
+fused AdamW, as in training), and forward+backward of each stage of the model on its own: (2) the image encoder and
 its projection (``embed_images``), (3) the text encoder and its projection (``encode_questions``),
 (4) the image keys/values, the fusion blocks and the readout (``image_context``, ``fuse``,
 ``read_out``). Prints questions/s
@@ -95,7 +95,7 @@ def break_down(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     model, batches = load_model_and_batches(args.config, args.batches, args.batch_size)
     if not model.has_fusion_heads:
         parser.error(f"{args.config} builds a model without fusion blocks (readout {model.config.readout!r}): nothing to split")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # fused, as vlfuse fit's optimizer
     with torch.no_grad():
         cached = [
             (model.embed_images(b["pixel_values"]), model.encode_questions(b["input_ids"], b["attention_mask"]))
@@ -142,7 +142,7 @@ def serve(args: argparse.Namespace) -> None:
     import vlfuse
 
     model, batches = load_model_and_batches(args.config, args.batches, args.batch_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # fused, as vlfuse fit's optimizer
     questions = [len(b["labels"]) for b in batches]
     _reply({"package": str(Path(vlfuse.__file__).resolve().parent), "questions": questions,
             "images": [len(b["pixel_values"]) for b in batches]})

@@ -150,6 +150,11 @@ def logits(model: VLFuseModel, batch: dict, **kwargs) -> torch.Tensor:
     return model(pixels, **tokens, image_index=batch["image_index"], **kwargs).logits
 
 
+def parameters_without_gradient(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s parameters that got no gradient, or an all-zero one, from the last backward."""
+    return [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+
+
 # -------------------------------------------------- red or blue images, two questions each
 COLOUR_ANSWERS = ["no", "yes", "red", "blue"]
 

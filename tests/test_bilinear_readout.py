@@ -11,7 +11,7 @@ from vlfuse.model import VLFuseModel
 from vlfuse.readouts import BilinearReadout, PoolReadout
 from vlfuse.readouts.bilinear import QuadraticForms
 
-from conftest import logits, make_model, tiny_config
+from conftest import logits, make_model, parameters_without_gradient, tiny_config
 
 
 def xor_of_a_match(n: int, colours: int = 6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +67,7 @@ def test_the_products_start_at_zero_and_every_parameter_gets_a_gradient():
     model, batch = make_model(readout="bilinear", gated=False)  # tanh gates at 0 would block the image side
     assert torch.count_nonzero(model.readout.products.weight) == 0
     F.cross_entropy(logits(model, batch), batch["labels"]).backward()
-    missing = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    missing = parameters_without_gradient(model)
     assert missing == []
 
 

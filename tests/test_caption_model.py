@@ -11,6 +11,8 @@ from vlfuse.captioning import CaptionConfig, CaptionModel, greedy
 from vlfuse.encoders import ImageEncoderConfig
 from vlfuse.layers.causal import CausalSelfAttention, KVCache, causal_mask
 
+from conftest import parameters_without_gradient
+
 CAPTIONS = [
     "a red square is left of a blue circle . there is a blue circle .",
     "a green triangle is above a red circle . there is a red circle .",
@@ -86,7 +88,7 @@ def test_every_parameter_gets_a_gradient():
     ids = model.tokenize(CAPTIONS)
     logits = model(torch.rand(3, 3, 30, 30), ids[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
-    missing = [name for name, p in model.named_parameters() if p.grad is None or not torch.any(p.grad != 0)]
+    missing = parameters_without_gradient(model)
     assert missing == []
 
 

@@ -10,7 +10,7 @@ from vlfuse.analysis.pruning import heads_to_prune, prune_model
 from vlfuse.model import FUSION_OPTIONS, VLFuseModel
 from vlfuse.readouts import CoAttentionReadout
 
-from conftest import logits, make_model
+from conftest import logits, make_model, parameters_without_gradient
 
 
 def test_it_has_a_second_stack_of_16_head_blocks_with_the_patches_as_queries():
@@ -26,7 +26,7 @@ def test_it_has_a_second_stack_of_16_head_blocks_with_the_patches_as_queries():
 def test_every_parameter_gets_a_gradient():
     model, batch = make_model(readout="co_attention", gated=False)  # tanh gates at 0 would block a side
     F.cross_entropy(logits(model, batch), batch["labels"]).backward()
-    missing = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    missing = parameters_without_gradient(model)
     assert missing == []
 
 

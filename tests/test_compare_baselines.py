@@ -10,7 +10,7 @@ import yaml
 from vlfuse.baselines import BowCNN, FiLM, FiLMedResBlock, FiLMNet, coordinate_maps
 from vlfuse.baselines.bow_cnn import bag_of_words
 
-from conftest import REPO, load_script
+from conftest import REPO, load_script, parameters_without_gradient
 
 compare = load_script("compare_baselines")
 
@@ -43,7 +43,7 @@ def test_each_peer_answers_every_question_and_trains_every_parameter(name, one_t
     logits = model(*inputs)
     assert logits.shape == (6, ANSWERS) and torch.isfinite(logits).all()
     logits.logsumexp(dim=-1).sum().backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    missing = parameters_without_gradient(model)
     assert not missing, f"no gradient: {missing}"
 
 

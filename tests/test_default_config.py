@@ -12,7 +12,7 @@ from vlfuse.analysis.head_scores import score_heads
 from vlfuse.analysis.pruning import heads_to_prune, prune_model
 from vlfuse.model import VLFuseConfig, VLFuseModel
 
-from conftest import COLOUR_ANSWERS, REPO, logits, toy_batch
+from conftest import COLOUR_ANSWERS, REPO, logits, parameters_without_gradient, toy_batch
 
 DEFAULT_CONFIG = REPO / "configs" / "easy_vqa.yaml"
 
@@ -42,7 +42,7 @@ def test_padded_questions_give_finite_scores_and_every_parameter_a_gradient(mode
     scores = logits(model.train(), batch)
     assert torch.isfinite(scores).all()
     F.cross_entropy(scores, batch["labels"]).backward()
-    missing = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    missing = parameters_without_gradient(model)
     assert missing == []
 
 
