@@ -78,7 +78,8 @@ def tiny_config(**overrides) -> VLFuseConfig:
 def tiny_overrides(limit_images: int = 8, *, map_program: bool = False) -> list[str]:
     """Command-line overrides that shrink any config to a tiny model on a few images, quietly.
 
-    ``map_program``: the config's readout is ``map_program``, which needs text and fusion depth 0.
+    ``map_program``: the config's readout reads no fusion blocks (as ``map_program``): text and
+    fusion depth 0.
     """
     depth = 0 if map_program else 1
     return [

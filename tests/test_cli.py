@@ -9,7 +9,8 @@ import yaml
 from vlfuse.analysis.analyze import build_parser as build_analyze_parser
 from vlfuse.captioning import CaptionModel
 from vlfuse.cli import SUBCOMMANDS, main, run_lightning
-from vlfuse.model import VLFuseModel
+from vlfuse.model import VLFuseConfig, VLFuseModel
+from vlfuse.readouts import get_readout
 from vlfuse.predict import build_parser as build_predict_parser
 from vlfuse.prune import build_parser as build_prune_parser
 from vlfuse.runtime import DEFAULT_DEVICE, DEFAULT_THREADS
@@ -43,8 +44,9 @@ def test_every_config_trains_for_one_batch(config, tmp_path):
     needs_data(config)
     model = yaml.safe_load(config.read_text())["model"]
     caption = model.get("class_path", "").startswith("vlfuse.captioning")
-    map_program = not caption and model["architecture"].get("readout") == "map_program"
-    tiny = tiny_cli_args(tmp_path, map_program=map_program, caption=caption)
+    readout = None if caption else get_readout(model["architecture"].get("readout", VLFuseConfig.readout))
+    no_fusion = readout is not None and not readout.reads_fusion  # fusion and text depth 0, as map_program
+    tiny = tiny_cli_args(tmp_path, map_program=no_fusion, caption=caption)
     cli = run_lightning(["fit", "--config", str(config), *tiny, "--trainer.fast_dev_run=true"])
     assert cli.trainer.global_step == 1
     if caption:
