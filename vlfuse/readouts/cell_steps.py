@@ -67,6 +67,11 @@ class CellStepsReadout(Readout):
         self.find_out = nn.Linear(self.heads, 2)
         self.find_in = nn.Linear(self.heads, d)  # the cells see the image only through the word's finds
 
+    @classmethod
+    def check(cls, config, answers: Sequence[str]) -> None:
+        if len(answers) != 2:
+            raise ValueError(f"readout 'cell_steps' answers existence questions with two answers (e.g. false/true), got {len(answers)}")
+
     def question_features(self, text_encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The word embeddings ``(Bq, Lt, text width)``, layer-normalised."""
         return self.word_norm(text_encoder.embed_words(input_ids))
