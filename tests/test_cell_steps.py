@@ -75,3 +75,10 @@ def test_it_needs_two_answers(answers):
                          readout="cell_steps", dropout=VLFuseConfig.dropout)
     with pytest.raises(ValueError, match="two answers|at least 2 answers"):
         VLFuseModel.from_config(config, answers, QUESTIONS)
+
+
+def test_it_refuses_text_layers_it_would_not_use():
+    config = tiny_config(text=TextEncoderConfig(width=32, depth=2, num_heads=2, max_length=16), fusion_depth=0,
+                         readout="cell_steps", dropout=VLFuseConfig.dropout)
+    with pytest.raises(ValueError, match="readout 'cell_steps' .* set text.depth to 0"):
+        VLFuseModel.from_config(config, ["false", "true"], QUESTIONS)

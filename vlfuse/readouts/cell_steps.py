@@ -12,7 +12,7 @@ from torch import nn
 
 from vlfuse.layers.fusion import FusionBlock
 from vlfuse.readouts.base import Readout, register_readout
-from vlfuse.readouts.map_program import ExistenceClassifier
+from vlfuse.readouts.map_program import ExistenceClassifier, check_word_existence_reader
 
 GATE_BIAS = -3.0
 """Initial bias of the update gate: a step starts close to "keep" (at a gate of 0.5, ten steps
@@ -69,8 +69,7 @@ class CellStepsReadout(Readout):
 
     @classmethod
     def check(cls, config, answers: Sequence[str]) -> None:
-        if len(answers) != 2:
-            raise ValueError(f"readout 'cell_steps' answers existence questions with two answers (e.g. false/true), got {len(answers)}")
+        check_word_existence_reader(cls.name, config, answers)
 
     def question_features(self, text_encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The word embeddings ``(Bq, Lt, text width)``, layer-normalised."""

@@ -165,6 +165,18 @@ class MapProgramReader(nn.Module):
         return evidence
 
 
+def check_word_existence_reader(name: str, config, answers: Sequence[str]) -> None:
+    """The checks of a readout that reads word embeddings and answers existence: a from-scratch
+    text encoder of depth 0 (its layers would go unused) and two answers."""
+    if config.text.name is None and config.text.depth != 0:
+        raise ValueError(
+            f"readout '{name}' reads the question's word embeddings, not the encoder's layers: "
+            f"set text.depth to 0 for a from-scratch text encoder (got {config.text.depth})"
+        )
+    if len(answers) != 2:
+        raise ValueError(f"readout '{name}' answers existence questions with two answers (e.g. false/true), got {len(answers)}")
+
+
 class ExistenceClassifier(nn.Module):
     """Two answer scores from the reader's evidence: ``[0, evidence + bias]``.
 
@@ -209,15 +221,7 @@ class MapProgramReadout(Readout):
 
     @classmethod
     def check(cls, config, answers: Sequence[str]) -> None:
-        if config.text.name is None and config.text.depth != 0:
-            raise ValueError(
-                "readout 'map_program' reads the question's word embeddings, not the encoder's layers: "
-                f"set text.depth to 0 for a from-scratch text encoder (got {config.text.depth})"
-            )
-        if len(answers) != 2:
-            raise ValueError(
-                f"readout 'map_program' answers existence questions with two answers (e.g. false/true), got {len(answers)}"
-            )
+        check_word_existence_reader(cls.name, config, answers)
 
     def question_features(self, text_encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The word embeddings ``(Bq, Lt, text width)``, layer-normalised."""
