@@ -81,6 +81,14 @@ def test_resumed_run_continues_from_its_checkpoint(tmp_path):
     assert resumed.trainer.global_step == 2 * steps_per_epoch
 
 
+def test_last_checkpoint_is_the_last_epochs_even_when_that_epoch_is_not_the_best(tmp_path):
+    # lr 0: the second epoch's val accuracy equals the first's, so only the first is the best
+    run = _fit(tmp_path, "--trainer.max_epochs=2", "--model.lr=0")
+    assert "epoch=0-" in run.trainer.checkpoint_callback.best_model_path
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert (last["epoch"], last["global_step"]) == (1, run.trainer.global_step)
+
+
 def test_fit_then_test_prints_accuracy_and_model_dir(tmp_path, capsys):
     _fit(tmp_path, "--trainer.max_epochs=1", "--test_after_fit=true")
     out = capsys.readouterr().out

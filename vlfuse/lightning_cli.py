@@ -21,7 +21,7 @@ from vlfuse.captioning.lit import CaptionLitModule
 from vlfuse.cli import SUBCOMMANDS as COMMANDS
 from vlfuse.datamodules import VQADataModule
 from vlfuse.lit import ExportBestModel, VLFuseLitModule
-from vlfuse.resume import SIGTERM_EXIT_CODE, ResumeTraining, default_checkpoint_dir
+from vlfuse.resume import SIGTERM_EXIT_CODE, BestAndLastCheckpoint, ResumeTraining, default_checkpoint_dir
 from vlfuse.runtime import set_threads
 
 SUBCOMMANDS = ("fit", "validate", "test")
@@ -42,7 +42,7 @@ class VLFuseCLI(LightningCLI):
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(BestAndLastCheckpoint, "checkpoint")
         parser.set_defaults(
             {"checkpoint.monitor": "val/acc", "checkpoint.mode": "max", "checkpoint.save_last": True}
         )

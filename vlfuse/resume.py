@@ -1,4 +1,5 @@
-"""Resuming training where it stopped: random generators in checkpoints, a checkpoint on SIGTERM."""
+"""Resuming training where it stopped: ``last.ckpt`` every epoch, random generators in checkpoints,
+a checkpoint on SIGTERM."""
 
 from __future__ import annotations
 
@@ -62,6 +63,31 @@ def _all_ranks(state: dict) -> list[dict]:
     states: list = [None] * dist.get_world_size()
     dist.all_gather_object(states, state)
     return states
+
+
+class BestAndLastCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, with ``last.ckpt`` rewritten at the end of every epoch.
+
+    With a monitor (``val/acc``) and ``save_last``, Lightning 2.6 writes ``last.ckpt`` only in an
+    epoch that also saved a best checkpoint, so ``--ckpt_path last`` would go back to the best
+    epoch and train the later ones again. This writes it after every epoch whose end saved
+    nothing, as ``save_last`` promises (it uses ModelCheckpoint's own private save, as pinned in
+    constraints.txt).
+    """
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._save_last_if_missing(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._save_last_if_missing(trainer)
+
+    def _save_last_if_missing(self, trainer: L.Trainer) -> None:
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer) and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 class ResumeTraining(Callback):
