@@ -1,4 +1,4 @@
-"""The cell-steps readout (configs/shapes_cell_steps.yaml): a one-number state per grid cell,
+"""The cell-steps readout (configs/shapes_fusion.yaml): a one-number state per grid cell,
 updated word by word by one shared 16-head fusion block."""
 
 import pytest

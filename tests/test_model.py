@@ -172,7 +172,7 @@ def test_a_registered_readout_is_chosen_by_its_config_name():
 
 
 def test_unknown_readout_and_a_pool_model_without_fusion_blocks_are_refused():
-    assert {"bilinear", "co_attention", "map_program", "pool"} <= set(READOUTS)
+    assert {"bilinear", "cell_steps", "map_program", "pool"} <= set(READOUTS)
     with pytest.raises(ValueError, match=re.escape(f"readout must be one of {sorted(READOUTS)}, got 'max'")):
         make_model(readout="max")
     with pytest.raises(ValueError, match="readout 'pool' reads fused tokens: fusion_depth must be at least 1, got 0"):

@@ -6,7 +6,6 @@ Select one by name in the model config (``readout: pool``); add one with :func:`
 from vlfuse.readouts.base import READOUTS, Readout, encode_distinct, get_readout, register_readout
 from vlfuse.readouts.bilinear import BilinearReadout
 from vlfuse.readouts.cell_steps import CellStepsReadout
-from vlfuse.readouts.co_attention import CoAttentionReadout
 from vlfuse.readouts.map_program import (
     OPERATIONS,
     ExistenceClassifier,
@@ -21,7 +20,7 @@ __all__ = [
     "OPERATIONS",
     "READOUTS",
     "BilinearReadout",
-    "CoAttentionReadout",
+    "CellStepsReadout",
     "ExistenceClassifier",
     "MapProgramReader",
     "MapProgramReadout",
