@@ -75,6 +75,18 @@ def tiny_config(**overrides) -> VLFuseConfig:
     return VLFuseConfig(**fields)
 
 
+def reader_config(**overrides) -> VLFuseConfig:
+    """:func:`tiny_config` with a readout that reads word embeddings (``map_program`` unless
+    ``readout`` says another): no fusion blocks, text depth 0."""
+    settings = dict(
+        text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16),
+        fusion_depth=0,
+        readout="map_program",
+        dropout=VLFuseConfig.dropout,  # the reader has no dropout: tiny_config's 0.0 would be refused
+    )
+    return tiny_config(**{**settings, **overrides})
+
+
 def tiny_overrides(limit_images: int = 8, *, map_program: bool = False) -> list[str]:
     """Command-line overrides that shrink any config to a tiny model on a few images, quietly.
 

@@ -5,22 +5,16 @@ import pytest
 import torch
 
 from vlfuse.encoders import TextEncoderConfig
-from vlfuse.model import VLFuseConfig, VLFuseModel
+from vlfuse.model import VLFuseModel
 from vlfuse.readouts.cell_steps import CellStepsReadout
 
-from conftest import parameters_without_gradient, tiny_config
+from conftest import parameters_without_gradient, reader_config
 
 QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a circle red"]
 
 
 def cell_steps_model() -> VLFuseModel:
-    config = tiny_config(
-        text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16),
-        fusion_depth=0,
-        readout="cell_steps",
-        mlp_type="swiglu",
-        output_gate=True,
-    )
+    config = reader_config(readout="cell_steps", mlp_type="swiglu", output_gate=True, dropout=0.0)
     torch.manual_seed(0)
     return VLFuseModel.from_config(config, ["false", "true"], QUESTIONS)
 
@@ -71,14 +65,11 @@ def test_saves_and_loads_with_identical_logits(tmp_path):
 
 @pytest.mark.parametrize("answers", [["no", "yes", "red"], ["yes"]])
 def test_it_needs_two_answers(answers):
-    config = tiny_config(text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16), fusion_depth=0,
-                         readout="cell_steps", dropout=VLFuseConfig.dropout)
     with pytest.raises(ValueError, match="two answers|at least 2 answers"):
-        VLFuseModel.from_config(config, answers, QUESTIONS)
+        VLFuseModel.from_config(reader_config(readout="cell_steps"), answers, QUESTIONS)
 
 
 def test_it_refuses_text_layers_it_would_not_use():
-    config = tiny_config(text=TextEncoderConfig(width=32, depth=2, num_heads=2, max_length=16), fusion_depth=0,
-                         readout="cell_steps", dropout=VLFuseConfig.dropout)
+    config = reader_config(readout="cell_steps", text=TextEncoderConfig(width=32, depth=2, num_heads=2, max_length=16))
     with pytest.raises(ValueError, match="readout 'cell_steps' .* set text.depth to 0"):
         VLFuseModel.from_config(config, ["false", "true"], QUESTIONS)

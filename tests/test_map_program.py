@@ -13,10 +13,10 @@ from vlfuse.data.shapes import COLOURS, RELATIONS, SHAPES, evaluate, parse_query
 from vlfuse.data.shapes import _shift as shift  # the dataset's own relation semantics
 from vlfuse.encoders import TextEncoderConfig
 from vlfuse.layers import MapProgramReader
-from vlfuse.model import FUSION_OPTIONS, VLFuseConfig, VLFuseModel
+from vlfuse.model import FUSION_OPTIONS, VLFuseModel
 from vlfuse.readouts import OPERATIONS, ExistenceClassifier, relative_offsets
 
-from conftest import REPO, tiny_config
+from conftest import REPO, reader_config
 
 DIM = 8
 SHARP = 60.0  # large enough that every softmax and sigmoid below is one-hot / 0-1 to float precision
@@ -119,17 +119,6 @@ def test_wrong_grid_is_named():
     reader = MapProgramReader(DIM, (3, 3))
     with pytest.raises(ValueError, match="3x3 patch grid"):
         reader.project_context(torch.randn(1, 10, DIM))
-
-
-def reader_config(**overrides) -> VLFuseConfig:
-    """conftest's tiny model with the map-program readout (no fusion blocks, text depth 0)."""
-    settings = dict(
-        text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16),
-        fusion_depth=0,
-        readout="map_program",
-        dropout=VLFuseConfig.dropout,  # the reader has no dropout: tiny_config's 0.0 would be refused
-    )
-    return tiny_config(**{**settings, **overrides})
 
 
 QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a circle red"]
