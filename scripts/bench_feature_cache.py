@@ -7,7 +7,7 @@ the real DataLoader (which stops decoding images once the cache holds them all, 
 training epoch of ``vlfuse fit``), tokenization, forward, backward and AdamW. Prints each epoch's seconds, the ratio
 no-cache / cache for the epochs after the first (the first fills the cache), and where the time
 of those epochs goes: loading the batches, tokenizing, the frozen encoders (or the cache
-lookups), the rest of the forward pass (projections, fusion blocks, readout, loss), the backward
+lookups), the rest of the forward pass (projections, fuser, head, loss), the backward
 pass and the optimizer.
 
     .venv/bin/python scripts/bench_feature_cache.py --config configs/easy_vqa_minilm.yaml --limit-images 200
@@ -97,11 +97,9 @@ def train_epoch(
                 loader.dataset.decode_only_uncached(model.image_encoder.cache)
             return clock.seconds
         with clock.stage("tokenize"):
-            tokens = model.tokenize(batch["questions"])
+            inputs = model.processor.batch(batch, cache=True)
         with clock.stage("rest of forward"):  # as VLFuseLitModule's training step
-            context = model.encode_images(batch["pixel_values"], batch["image_keys"])
-            ids, mask = tokens["input_ids"], tokens["attention_mask"]
-            logits = model(None, ids, mask, image_index=batch["image_index"], image_context=context).logits
+            logits = model(**inputs).logits
             loss = F.cross_entropy(logits, batch["labels"], ignore_index=IGNORE_INDEX)
         with clock.stage("backward"):
             loss.backward()

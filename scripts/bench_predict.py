@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Pairs per second of vlfuse.predict.Predictor on CPU: batch sizes x image cache on/off x torch threads.
+"""Pairs per second of vlfuse.Predictor on CPU: batch sizes x image cache on/off x torch threads.
 
 The workload is easy-VQA test images with several questions each (10 by default), image after
 image, as an application asking many questions about each picture would send them. Each case is a
@@ -45,7 +45,7 @@ from _common import (
 
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.analysis.timing import Timings, time_interleaved
-from vlfuse.predict import Predictor, PredictWarning
+from vlfuse.inference import PredictWarning, Predictor
 from vlfuse.runtime import DEFAULT_THREADS
 
 
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"Predictor on {platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"{os.cpu_count()} cores, load average {load:.1f} at the start, {args.busy} busy processes added; "
         f"model: {args.model or 'untrained ' + args.config.name} "
-        f"(image {config.image.image_size}px, {model.image_encoder.grid_size} patches, fusion {config.fusion_depth}x"
-        f"{config.fusion_heads} heads, dim {config.fusion_dim})"
+        f"(image {config.image.image_size}px, {model.image_encoder.grid_size} patches, fuser {config.fuser.type} with "
+        f"{model.num_fusion_layers}x{model.num_heads_built} heads, dim {config.fusion_dim})"
     )
     print(
         f"workload: {args.images} easy-VQA test images x {args.questions_per_image} questions = {len(paths)} pairs; "

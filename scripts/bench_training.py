@@ -3,7 +3,7 @@
 Times, round-robin on the same real batches, (1) a whole training step (forward, backward,
 fused AdamW, as in training), and forward+backward of each stage of the model on its own: (2) the image encoder and
 its projection (``embed_images``), (3) the text encoder and its projection (``encode_questions``),
-(4) the image keys/values, the fusion blocks and the readout (``image_context``, ``fuse``,
+(4) the image keys/values, the fuser and the head (``image_context``, ``fuse``,
 ``read_out``). Prints questions/s
 and images/s of the whole step and each part's share of it.
 
@@ -48,7 +48,7 @@ def load_model_and_batches(config_path: Path, n_batches: int, batch_size: int | 
     batches = []
     for _ in range(n_batches):
         batch = next(loader)
-        batch.update(model.tokenize(batch["questions"]))
+        batch.update(model.processor.tokenize(batch["questions"]))
         batches.append(batch)
     return model, batches
 
@@ -82,11 +82,10 @@ def text_part(model, batch) -> None:
 
 
 def fusion_part(model, batch, image_tokens, text) -> None:
-    """Image keys/values, fusion blocks and readout, on cached outputs of the two encoder stages."""
+    """Image keys/values, the fuser and the head, on cached outputs of the two encoder stages."""
     context = model.image_context(image_tokens)
     mask, index = batch["attention_mask"].bool(), batch["image_index"]
-    fused = model.fuse(text, mask, context, index)
-    logits = model.read_out(fused.tokens, mask, context, index)
+    logits = model.read_out(model.fuse(text, mask, context, index).output, mask)
     F.cross_entropy(logits, batch["labels"], ignore_index=IGNORE_INDEX).backward()
 
 
@@ -94,7 +93,7 @@ def break_down(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     """The whole training step and each part of it, side by side, on this tree's package."""
     model, batches = load_model_and_batches(args.config, args.batches, args.batch_size)
     if not model.has_fusion_heads:
-        parser.error(f"{args.config} builds a model without fusion blocks (readout {model.config.readout!r}): nothing to split")
+        parser.error(f"{args.config} builds a model without attention heads (fuser {model.config.fuser.type!r}): nothing to split")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # fused, as vlfuse fit's optimizer
     with torch.no_grad():
         cached = [
@@ -106,7 +105,7 @@ def break_down(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         "whole training step": lambda i: train_step(model, optimizer, batches[i]),
         "image encoder": lambda i: image_part(model, batches[i]),
         "text encoder": lambda i: text_part(model, batches[i]),
-        "fusion stack + readout": lambda i: fusion_part(model, batches[i], *cached[i]),
+        "fuser + head": lambda i: fusion_part(model, batches[i], *cached[i]),
     }
     if args.deterministic:
         parts["whole step, deterministic algorithms"] = lambda i: deterministic_train_step(model, optimizer, batches[i])

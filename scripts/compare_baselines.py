@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import inspect
 import logging
 import shlex
 import sys
@@ -46,6 +47,7 @@ from vlfuse.datamodules import VQADataModule
 from vlfuse.encoders.tokenizer import build_word_tokenizer
 from vlfuse.lit import VLFuseLitModule, warmup_cosine
 from vlfuse.model import VLFuseConfig
+from vlfuse.processor import VLFuseProcessor
 
 MODELS = ("bow_cnn", "film", "vlfuse")
 MEAN_PIXEL_IMAGES = 256
@@ -80,15 +82,20 @@ PEER_DEFAULTS = {
 }
 
 
+def signature_default(function, name: str):
+    """The default of ``function``'s argument ``name`` (what ``vlfuse fit`` uses when a config leaves it out)."""
+    return inspect.signature(function).parameters[name].default
+
+
 def config_settings(config: dict) -> Settings:
     """The vlfuse model's settings as ``vlfuse fit`` would train it from ``config``."""
     model = config["model"]
     return Settings(
-        lr=model.get("lr", 1e-3),
+        lr=model.get("lr", signature_default(VLFuseLitModule, "lr")),
         epochs=config.get("trainer", {}).get("max_epochs", 1),
-        batch_size=config["data"].get("init_args", {}).get("batch_size", 32),
-        image_size=VLFuseConfig.from_dict(model["architecture"]).image.image_size,
-        weight_decay=model.get("weight_decay", 0.05),
+        batch_size=config["data"].get("init_args", {}).get("batch_size", signature_default(VQADataModule, "batch_size")),
+        image_size=VLFuseConfig.from_dict(model.get("architecture", {})).image.image_size,
+        weight_decay=model.get("weight_decay", signature_default(VLFuseLitModule, "weight_decay")),
         schedule="cosine",
     )
 
@@ -116,13 +123,13 @@ def apply_settings(settings: dict[str, Settings], assignments: list[str]) -> Non
 class PeerLitModule(L.LightningModule):
     """Trains a peer with Adam on the cross-entropy, at a constant or warm-up + cosine learning rate."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, settings: Settings) -> None:
+    def __init__(self, model: torch.nn.Module, processor: VLFuseProcessor, settings: Settings) -> None:
         super().__init__()
-        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.model, self.processor, self.settings = model, processor, settings
 
     def forward(self, batch: dict) -> torch.Tensor:
-        tokens = self.tokenizer(batch["questions"], padding=True, return_tensors="pt", return_token_type_ids=False)
-        return self.model(batch["pixel_values"], tokens["input_ids"], tokens["attention_mask"], batch["image_index"])
+        inputs = self.processor.batch(batch, self.device)
+        return self.model(inputs.pixel_values, inputs.input_ids, inputs.attention_mask, inputs.image_index)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return F.cross_entropy(self(batch), batch["labels"], ignore_index=IGNORE_INDEX)
@@ -146,16 +153,17 @@ def build_module(name: str, settings: Settings, datamodule: VQADataModule, confi
         options.update(lr=settings.lr, weight_decay=settings.weight_decay)
         return VLFuseLitModule(VLFuseConfig.from_dict(config["model"]["architecture"]), **options)
     tokenizer = build_word_tokenizer(datamodule.train_questions, max_length=32)
+    processor = VLFuseProcessor(tokenizer, image_size=settings.image_size, max_length=32)
     size = dict(vocab_size=len(tokenizer), num_answers=len(datamodule.answers))
     if name == "bow_cnn":
         train = datamodule.dataset("train")
         pixel_mean = mean_pixel([train.pixels(i) for i in range(min(MEAN_PIXEL_IMAGES, len(train)))])
         model = BowCNN(**size, image_size=settings.image_size, width=settings.width, pixel_mean=pixel_mean.tolist())
-        return PeerLitModule(model, tokenizer, settings)
+        return PeerLitModule(model, processor, settings)
     stem_layers = (settings.image_size // 8).bit_length() - 1  # strided layers down to an 8x8 grid
     if settings.image_size != 8 * 2**stem_layers:
         raise SystemExit(f"error: --set film.image_size={settings.image_size}: FiLM needs 8 times a power of two (16, 32, 64)")
-    return PeerLitModule(FiLMNet(**size, width=settings.width, stem_layers=stem_layers), tokenizer, settings)
+    return PeerLitModule(FiLMNet(**size, width=settings.width, stem_layers=stem_layers), processor, settings)
 
 
 @torch.no_grad()

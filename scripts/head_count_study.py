@@ -4,7 +4,8 @@
     .venv/bin/python scripts/head_count_study.py --config configs/shapes_pool.yaml --study normalizer --epochs 10
     .venv/bin/python scripts/head_count_study.py --config configs/easy_vqa.yaml --study heads -- --data.init_args.batch_size=64
 
-Studies (``--study``): ``heads`` (``fusion_heads`` in ``--heads``, default 1 2 4 8 16), ``dropout``
+Studies (``--study``), each an option of the config's ``fuser: {type: fusion_stack}``: ``heads``
+(``heads`` in ``--heads``, default 1 2 4 8 16), ``dropout``
 (``attn_dropout`` in ``--dropouts``, default 0 0.1 0.3 0.5), ``diversity`` (``diversity_weight`` 0 and
 ``--diversity-weight``), ``normalizer`` (softmax and leaky_relu). Each setting is trained once per
 seed (``--seeds``, default 0 1 2) with ``vlfuse fit`` in a subprocess; arguments after ``--`` go to
@@ -58,9 +59,9 @@ class Setting:
 
 def study_settings(args: argparse.Namespace) -> list[Setting]:
     """The settings of ``args.study``, in table order."""
-    arch = "--model.architecture"
+    arch = "--model.architecture.fuser"
     if args.study == "heads":
-        return [Setting(f"heads={h}", (f"{arch}.fusion_heads={h}",)) for h in args.heads]
+        return [Setting(f"heads={h}", (f"{arch}.heads={h}",)) for h in args.heads]
     if args.study == "dropout":
         return [Setting(f"attn_dropout={p:g}", (f"{arch}.attn_dropout={p}",)) for p in args.dropouts]
     if args.study == "diversity":
@@ -68,7 +69,7 @@ def study_settings(args: argparse.Namespace) -> list[Setting]:
             Setting("diversity off", (f"{arch}.diversity_weight=0.0",)),
             Setting(f"diversity {args.diversity_weight:g}", (f"{arch}.diversity_weight={args.diversity_weight}",)),
         ]
-    return [Setting(f"normalizer={n}", (f"{arch}.attention_normalizer={n}",)) for n in ("softmax", "leaky_relu")]
+    return [Setting(f"normalizer={n}", (f"{arch}.normalizer={n}",)) for n in ("softmax", "leaky_relu")]
 
 
 def fit_command(

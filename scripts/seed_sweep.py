@@ -4,7 +4,7 @@ A sweep is a JSON file::
 
     {"config": "configs/easy_vqa.yaml",
      "common": ["--trainer.accelerator", "gpu"],          # added to every run (optional)
-     "variants": {"pool_14": ["--model.architecture.readout", "pool", "--trainer.max_epochs", "14"],
+     "variants": {"pool_14": ["--model.architecture.head.type", "pooled", "--trainer.max_epochs", "14"],
                   "default": []},
      "seeds": [0, 1, 2, 3, 4]}
 
@@ -14,7 +14,7 @@ The table (test accuracy of every run, median and worst per variant, validation 
 the last epoch's accuracy by question kind) is printed and written to ``OUT/sweep.md``; every
 number to ``OUT/sweep.json``.
 
-    .venv/bin/python scripts/seed_sweep.py scripts/sweeps/easy_vqa_readouts.json --out runs/sweep --parallel 2
+    .venv/bin/python scripts/seed_sweep.py scripts/sweeps/easy_vqa_heads.json --out runs/sweep --parallel 2
 """
 
 from __future__ import annotations

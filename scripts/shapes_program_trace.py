@@ -18,13 +18,13 @@ from vlfuse.analysis.tables import markdown_table
 from vlfuse.data.shapes import distinct_queries
 from vlfuse.datamodules import ShapesDataModule
 from vlfuse.model import VLFuseModel
-from vlfuse.readouts import OPERATIONS, MapProgramReadout
+from vlfuse.fusers import OPERATIONS, MapProgramFuser
 
 
 def word_table(model: VLFuseModel, words: list[str]) -> str:
     """A markdown table of what each word does."""
     ids = torch.tensor([model.tokenizer.convert_tokens_to_ids(words)])  # (1, W)
-    reader = model.readout.reader
+    reader = model.fuser.reader
     weights, offsets = reader.operations(model.encode_questions(ids, torch.ones_like(ids)))
     steps = reader.offset_steps()
     rows = []
@@ -45,30 +45,30 @@ def grid(cells: torch.Tensor, rows: int, cols: int) -> list[str]:
 
 def trace(model: VLFuseModel, image: torch.Tensor, question: str) -> str:
     """The set after each word of ``question`` about ``image`` (1, 3, S, S), right to left."""
-    tokens = model.tokenize([question])
+    tokens = model.processor.tokenize([question])
     ids, mask = tokens["input_ids"], tokens["attention_mask"].bool()
-    words, patches = model.encode_questions(ids, tokens["attention_mask"]), model.encode_images(image).readout
-    evidence, maps = model.readout.reader(words, mask, patches, return_maps=True)
+    words, patches = model.encode_questions(ids, tokens["attention_mask"]), model.encode_images(image).features
+    evidence, maps = model.fuser.reader(words, mask, patches, return_maps=True)
     names = model.tokenizer.convert_ids_to_tokens(ids[0].tolist())
-    rows, cols = model.readout.reader.grid_size
+    rows, cols = model.fuser.reader.grid_size
     columns = [(name, grid(maps[0, t], rows, cols)) for t, name in reversed(list(enumerate(names))) if mask[0, t]]
     width = max(len(name) for name, _ in columns)
     lines = ["  ".join(name.ljust(width) for name, _ in columns)]
     lines += ["  ".join(cells[r].ljust(width) for _, cells in columns) for r in range(rows)]
-    answer = model.answers[int(model.readout.existence(evidence).argmax())]
+    answer = model.answers[int(model.read_out(evidence, mask).argmax())]
     return "\n".join(lines) + f"\nevidence {evidence.item():.2f} -> {answer}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_argument(parser, help="a directory written by save_pretrained (readout map_program)")
+    add_model_argument(parser, help="a directory written by save_pretrained (fuser map_program)")
     parser.add_argument("--data-dir", default=None, help="the released SHAPES files (default: see ShapesDataModule)")
     parser.add_argument("--examples", type=int, default=2, help="val questions to trace (one image each)")
     args = parser.parse_args()
 
     model = load_model(args.model)
-    if not isinstance(model.readout, MapProgramReadout):
-        parser.error(f"{args.model} has no map-program reader (readout {model.config.readout!r})")
+    if not isinstance(model.fuser, MapProgramFuser):
+        parser.error(f"{args.model} has no map-program reader (fuser {model.config.fuser.type!r})")
     data = ShapesDataModule(data_dir=args.data_dir, image_size=model.config.image.image_size)
     records = data.records("val")
     queries = data.queries("val")

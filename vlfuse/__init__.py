@@ -1,6 +1,17 @@
 """vlfuse: vision-language fusion with analysable multi-head cross-attention."""
 
-__all__ = ["CrossAttention", "FusionBlock", "FusionStack", "Predictor", "ProjectedContext", "VLFuseConfig", "VLFuseModel"]
+__all__ = [
+    "Captioner",
+    "CrossAttention",
+    "FusionBlock",
+    "FusionStack",
+    "Predictor",
+    "ProjectedContext",
+    "SelfAttention",
+    "VLFuseConfig",
+    "VLFuseModel",
+    "VLFuseProcessor",
+]
 __version__ = "0.1.0"
 
 # Every public name imports torch, and the model and the predictor timm, transformers and
@@ -10,7 +21,10 @@ _LAZY = {
     "FusionBlock": "vlfuse.layers",
     "FusionStack": "vlfuse.layers",
     "ProjectedContext": "vlfuse.layers",
-    "Predictor": "vlfuse.predict",
+    "SelfAttention": "vlfuse.layers",
+    "Captioner": "vlfuse.inference",
+    "Predictor": "vlfuse.inference",
+    "VLFuseProcessor": "vlfuse.processor",
     "VLFuseModel": "vlfuse.model",
     "VLFuseConfig": "vlfuse.model",
 }

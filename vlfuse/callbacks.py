@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from vlfuse.analysis.grouped_accuracy import accuracy_by_group
 from vlfuse.data.easy_vqa import question_kind
 
-MODEL_PARTS = ("image_encoder", "image_proj", "text_encoder", "text_proj", "fusion", "readout")
+MODEL_PARTS = ("image_encoder", "image_proj", "text_encoder", "text_proj", "fuser", "head")
 """The top-level parts of :class:`~vlfuse.model.VLFuseModel` whose gradient norms are logged."""
 
 

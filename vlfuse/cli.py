@@ -1,9 +1,9 @@
 """The ``vlfuse`` command: a light dispatcher to its subcommands.
 
-``fit``, ``validate`` and ``test`` are Lightning's CLI (:mod:`vlfuse.lightning_cli`); ``predict``,
-``caption``, ``analyze`` and ``prune`` are vlfuse's own tools. A subcommand's module is imported only when it
-runs, so ``vlfuse --help``, a mistyped subcommand and ``import vlfuse.cli`` load neither torch nor
-Lightning.
+``fit``, ``validate`` and ``test`` are Lightning's CLI (:mod:`vlfuse.commands.lightning`); ``predict``,
+``caption``, ``analyze`` and ``prune`` are vlfuse's own tools (:mod:`vlfuse.commands`). A subcommand's
+module is imported only when it runs, so ``vlfuse --help``, a mistyped subcommand and
+``import vlfuse.cli`` load neither torch nor Lightning.
 """
 
 from __future__ import annotations
@@ -14,57 +14,11 @@ import importlib
 import os
 import sys
 import textwrap
-from typing import NamedTuple
 
 import vlfuse
+from vlfuse.commands import LIGHTNING, SUBCOMMANDS
 from vlfuse.errors import error_line, one_line
 
-
-class Subcommand(NamedTuple):
-    """Where a subcommand's ``main(argv) -> int`` lives, and what it does."""
-
-    module: str
-    description: str
-
-
-SUBCOMMANDS = {
-    "fit": Subcommand(
-        "vlfuse.lightning_cli",
-        "Train a model on a config's data (vlfuse fit --config configs/easy_vqa.yaml); export the best "
-        "checkpoint's model to <trainer.default_root_dir>/model and, with test_after_fit, print its test accuracy.",
-    ),
-    "validate": Subcommand(
-        "vlfuse.lightning_cli",
-        "Evaluate a checkpoint (--ckpt_path) or a saved model (--model.pretrained DIR) on the validation split.",
-    ),
-    "test": Subcommand(
-        "vlfuse.lightning_cli",
-        "Evaluate a checkpoint (--ckpt_path) or a saved model (--model.pretrained DIR) on the test split and "
-        "print its accuracy.",
-    ),
-    "predict": Subcommand(
-        "vlfuse.predict",
-        "Answer questions about images with a saved model: one pair (--image, --question) or a JSONL file "
-        "(--input); optionally draw attention maps.",
-    ),
-    "caption": Subcommand(
-        "vlfuse.captioning.cli",
-        "Describe images with a saved caption model: one image (--image) or a JSONL file (--input); greedy or "
-        "beam search; optionally draw each head's attention for every generated word.",
-    ),
-    "analyze": Subcommand(
-        "vlfuse.analysis.analyze",
-        "Report what each attention head of a saved model does: statistics, dead heads, roles, importance "
-        "scores and pruning curves, as OUT/report.md with figures.",
-    ),
-    "prune": Subcommand(
-        "vlfuse.prune",
-        "Score the attention heads of a saved model, remove the lowest-scored ones for real, optionally "
-        "fine-tune, and save the smaller model.",
-    ),
-}
-LIGHTNING = ("fit", "validate", "test")
-"""The subcommands whose ``main`` takes the whole command line (Lightning parses the subcommand itself)."""
 
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError, argparse.ArgumentError)
 FIRST_STEP = "vlfuse fit --config configs/easy_vqa.yaml"
@@ -135,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_lightning(args: list[str] | None = None):
-    """:func:`vlfuse.lightning_cli.run_lightning`, imported when called: the CLI object of a Lightning run."""
-    from vlfuse.lightning_cli import run_lightning as run
+    """:func:`vlfuse.commands.lightning.run_lightning`, imported when called: the CLI object of a Lightning run."""
+    from vlfuse.commands.lightning import run_lightning as run
 
     return run(args)
 

@@ -1,10 +1,11 @@
-"""Lightning wrappers: the only place where training lives."""
+"""The Lightning module of the answering model (:class:`VLFuseLitModule`), its optimiser and the export of
+the best model. The caption model's module is :mod:`vlfuse.captioning.lit`, built on the same optimiser."""
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -14,10 +15,12 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassAccuracy
 
+from vlfuse import model_io
 from vlfuse.data import IGNORE_INDEX, GroupedVQADataset
 from vlfuse.datamodules import VQADataModule
 from vlfuse.metrics import VQASoftAccuracy
 from vlfuse.model import VLFuseConfig, VLFuseModel, VLFuseOutput
+from vlfuse.runtime import lightning_accelerator
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -66,7 +69,7 @@ class VLFuseLitModule(L.LightningModule):
         # Plain types only, so that checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters(
             {
-                "architecture": asdict(self.architecture),
+                "architecture": self.architecture.to_dict(),
                 "lr": lr,
                 "weight_decay": weight_decay,
                 "warmup_ratio": warmup_ratio,
@@ -104,7 +107,7 @@ class VLFuseLitModule(L.LightningModule):
                 f"but the data gives {len(answers)} answers {answers[:5]}...: the answer vocabularies differ"
             )
         self.architecture = copy.deepcopy(model.config)
-        self.hparams["architecture"] = asdict(self.architecture)  # checkpoints describe the model in use
+        self.hparams["architecture"] = self.architecture.to_dict()  # checkpoints describe the model in use
         self.use_model(model.train())
 
     def configure_datamodule(self, datamodule: VQADataModule) -> None:
@@ -126,8 +129,14 @@ class VLFuseLitModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["vlfuse_answers"] = list(self.model.answers)
+        checkpoint["vlfuse_format"] = model_io.FORMAT_VERSION
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Check the answers; a checkpoint of an earlier version (no ``vlfuse_format``) gets its weights renamed."""
+        if "vlfuse_format" not in checkpoint:
+            old = checkpoint.get("hyper_parameters", {}).get("architecture", {})
+            prefixes = model_io.format_3_keys(old.get("readout", model_io.FORMAT_2_DEFAULTS["readout"]))
+            checkpoint["state_dict"] = model_io.rename(checkpoint["state_dict"], {f"model.{a}": f"model.{b}" for a, b in prefixes.items()})
         saved = checkpoint.get("vlfuse_answers")
         if self.model is not None and saved is not None and saved != self.model.answers:
             raise ValueError(
@@ -141,14 +150,8 @@ class VLFuseLitModule(L.LightningModule):
         return self._model_output(batch).logits
 
     def _model_output(self, batch: dict) -> VLFuseOutput:
-        tokens = self.model.tokenize(batch["questions"])  # cheap; the tokenizer belongs to the model
-        return self.model(
-            None,
-            tokens["input_ids"].to(self.device),
-            tokens["attention_mask"].to(self.device),
-            image_index=batch["image_index"],
-            image_context=self.model.encode_images(batch["pixel_values"], batch.get("image_keys")),
-        )
+        # in training each distinct question is tokenized once (the processor's token cache)
+        return self.model(**self.model.processor.batch(batch, self.device, cache=self.model.training))
 
     def _step(self, batch: dict, stage: str, accuracy: MulticlassAccuracy) -> torch.Tensor:
         """The cross-entropy (logged as ``{stage}/loss``), plus the weighted head-diversity penalty
@@ -178,7 +181,8 @@ class VLFuseLitModule(L.LightningModule):
         if output.head_diversity is not None:
             diversity = output.head_diversity
             self.log(f"{stage}/head_diversity", diversity, batch_size=n, on_step=True, on_epoch=True, sync_dist=True)
-            loss = loss + self.model.config.diversity_weight * output.head_diversity
+        if output.auxiliary_loss is not None:
+            loss = loss + output.auxiliary_loss
         return loss
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -281,3 +285,43 @@ class ExportBestModel(Callback):
             rank_zero_info(f"vlfuse: saved the model ({source}) to {target}")
         trainer.strategy.barrier("ExportBestModel")
         self.exported_to = target
+
+
+# ------------------------------------------------------------------------------ fine-tuning a given model
+def lit_module_for(model: VLFuseModel, config: dict, config_path: Path, lr: float | None) -> VLFuseLitModule:
+    """A :class:`VLFuseLitModule` that trains ``model`` itself, with the config's ``model:`` options.
+
+    ``lr`` replaces the config's ``model.lr`` (default: a tenth of it, as the model is trained).
+    """
+    options = {k: v for k, v in (config.get("model") or {}).items() if k != "architecture"}
+    try:
+        lit = VLFuseLitModule(architecture=model.config, **options)
+    except TypeError as err:
+        raise ValueError(f"{config_path}: bad model options {sorted(options)}: {err}") from err
+    lit.hparams.lr = lr if lr is not None else lit.hparams.lr / 10  # configure_optimizers reads it
+    lit.use_model(model)  # instead of building one in setup
+    return lit
+
+
+def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, device: str, root: Path) -> None:
+    """Train ``lit.model`` for ``epochs`` epochs on ``device`` on the training split (no validation, no checkpoints).
+
+    The datamodule labels the questions with its own vocabulary, so it must be the model's answers.
+    """
+    lit.configure_datamodule(datamodule)  # the model's image size
+    accelerator, devices = lightning_accelerator(device)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator=accelerator,
+        devices=devices,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=sys.stderr.isatty(),
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+    lit.model.train()  # from_pretrained models come in eval mode, which Lightning keeps
+    trainer.fit(lit, datamodule=datamodule)
+    lit.model.cpu().eval()

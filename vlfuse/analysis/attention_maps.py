@@ -20,7 +20,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
 from vlfuse.analysis.figures import new_figure
-from vlfuse.readouts import masked_mean
+from vlfuse.heads import masked_mean
 
 
 def select_query(weights: torch.Tensor, text_mask: torch.Tensor, token: int | None = None) -> torch.Tensor:
@@ -30,7 +30,7 @@ def select_query(weights: torch.Tensor, text_mask: torch.Tensor, token: int | No
         weights: cross-attention weights of one pair, every question token over every image token.
         text_mask: ``(Lt,)`` True for real (non-padding) question tokens.
         token: a token position, or ``None`` for the pooled question: the mean over real tokens,
-            the pooling of the ``pool`` readout (:func:`vlfuse.readouts.masked_mean`). A mean of
+            the pooling of the ``pooled`` and ``bilinear`` heads (:func:`vlfuse.heads.masked_mean`). A mean of
             distributions is a distribution, so the rows still sum to 1 over the image tokens.
     """
     if token is not None:

@@ -67,8 +67,8 @@ def _record_output_norms(model: VLFuseModel, norms: dict[int, torch.Tensor]) -> 
         return record
 
     return [
-        block.cross_attn.out_proj.register_forward_pre_hook(hook(i, block.cross_attn.num_heads))
-        for i, block in enumerate(model.fusion.blocks)
+        attention.out_proj.register_forward_pre_hook(hook(i, attention.num_heads))
+        for i, attention in enumerate(model.attention_layers)
     ]
 
 
@@ -95,25 +95,18 @@ def collect_head_stats(
     device = next(model.parameters()).device
     encoder = model.image_encoder
     grid, prefix = tuple(encoder.grid_size), encoder.num_prefix_tokens
-    layers = list(range(len(model.fusion)))
-    blocks = model.fusion.blocks
-    accumulators = [HeadStatsAccumulator(blocks[i].cross_attn.num_heads, grid, prefix) for i in layers]
+    attentions = model.attention_layers
+    layers = list(range(len(attentions)))
+    accumulators = [HeadStatsAccumulator(attentions[i].num_heads, grid, prefix) for i in layers]
     examples: list[ExamplePair] = []
     num_images = num_questions = 0
     norms: dict[int, torch.Tensor] = {}
     handles = _record_output_norms(model, norms)
     try:
         for batch in islice(batches, max_batches):
-            pixels = batch["pixel_values"].to(device)  # (Bi, 3, S, S)
-            image_index = batch["image_index"].to(device)  # (Bq,)
-            tokens = model.tokenize(batch["questions"])
-            out = model(
-                pixels,
-                tokens["input_ids"].to(device),
-                tokens["attention_mask"].to(device),
-                image_index=image_index,
-                weights_from=layers,
-            )
+            inputs = model.processor.batch(batch, device)
+            pixels, image_index = inputs.pixel_values, inputs.image_index  # (Bi, 3, S, S), (Bq,)
+            out = model(**inputs, weights_from=layers)
             mask = out.text_mask  # (Bq, Lt)
             row_image = image_index[:, None].expand_as(mask)[mask]  # (N,) the image of each real token
             objects = object_cells(pixels, grid, tolerance=rules.pixel_tolerance, min_share=rules.cell_share)
@@ -130,7 +123,7 @@ def collect_head_stats(
         raise ValueError("the batches hold no questions: nothing to analyse")
     return HeadCollection(
         stats=[acc.result() for acc in accumulators],
-        head_ids=[list(blocks[i].cross_attn.head_ids) for i in layers],
+        head_ids=model.fusion_head_ids,
         grid=grid,
         num_prefix_tokens=prefix,
         examples=examples,

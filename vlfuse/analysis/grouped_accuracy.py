@@ -24,9 +24,7 @@ def accuracy_by_group(
     device = next(model.parameters()).device
     with torch.inference_mode():
         for batch in batches:
-            tokens = {name: ids.to(device) for name, ids in model.tokenize(batch["questions"]).items()}
-            pixels, image_index = batch["pixel_values"].to(device), batch["image_index"].to(device)
-            predicted = model(pixels, **tokens, image_index=image_index).logits.argmax(-1)
+            predicted = model(**model.processor.batch(batch, device)).logits.argmax(-1)
             for question, guess, label in zip(batch["questions"], predicted.tolist(), batch["labels"].tolist()):
                 group = group_of(row, question)
                 total[group] += 1

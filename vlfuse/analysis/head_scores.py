@@ -33,7 +33,7 @@ from vlfuse.model import ImageContext, VLFuseModel
 
 def original_head_count(model: VLFuseModel) -> int:
     """H0: the heads each fusion layer was built with (before any pruning)."""
-    return model.config.fusion_heads
+    return model.num_heads_built
 
 
 def present_heads(model: VLFuseModel) -> torch.Tensor:
@@ -76,13 +76,13 @@ def _encode(model: VLFuseModel, batches: Sequence[dict]) -> list[_Encoded]:
     encoded = []
     with torch.no_grad():
         for batch in batches:
-            tokens = {k: v.to(device) for k, v in model.tokenize(batch["questions"]).items()}
+            inputs = model.processor.batch(batch, device, parameter.dtype)
             encoded.append(
                 _Encoded(
-                    model.encode_images(batch["pixel_values"].to(device, parameter.dtype)),
-                    model.encode_questions(tokens["input_ids"], tokens["attention_mask"]),
-                    tokens["attention_mask"].bool(),
-                    batch["image_index"].to(device),
+                    model.encode_images(inputs.pixel_values, inputs.image_keys),
+                    model.encode_questions(inputs.input_ids, inputs.attention_mask),
+                    inputs.attention_mask.bool(),
+                    inputs.image_index,
                     batch["labels"].to(device),
                 )
             )
@@ -92,7 +92,7 @@ def _encode(model: VLFuseModel, batches: Sequence[dict]) -> list[_Encoded]:
 def _logits(model: VLFuseModel, batch: _Encoded, head_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The model's last two stages, :meth:`~VLFuseModel.fuse` and :meth:`~VLFuseModel.read_out`, on an encoded batch."""
     fused = model.fuse(batch.text, batch.text_mask, batch.image_context, batch.image_index, head_mask=head_mask)
-    return model.read_out(fused.tokens, batch.text_mask, batch.image_context, batch.image_index)
+    return model.read_out(fused.output, batch.text_mask)
 
 
 def _accuracy(model: VLFuseModel, encoded: Sequence[_Encoded], head_mask: torch.Tensor | None = None) -> float:
@@ -139,7 +139,7 @@ def weight_norm_scores(model: VLFuseModel, average_layers: bool = False) -> torc
     """
     scores = torch.full(present_heads(model).shape, float("nan"))
     with torch.no_grad():
-        for layer, attn in enumerate(block.cross_attn for block in model.fusion.blocks):
+        for layer, attn in enumerate(model.attention_layers):
             rows = attn.q_proj.weight.view(attn.num_heads, attn.head_dim, attn.dim)  # (H, hd, dim)
             scores[layer, attn.head_ids] = rows.pow(2).sum((1, 2)).sqrt().float().cpu()
     if average_layers:

@@ -169,13 +169,11 @@ def _forward_runs(model: VLFuseModel, batch: dict):
     """Two closures timing (the fusion stack, the whole model) on ``batch``; encoder outputs precomputed."""
     model.eval()
     parameter = next(model.parameters())
-    pixels = batch["pixel_values"].to(parameter.device, parameter.dtype)
-    tokens = {k: v.to(parameter.device) for k, v in model.tokenize(batch["questions"]).items()}
-    image_index = batch["image_index"].to(parameter.device)
-    text_mask = tokens["attention_mask"].bool()
+    inputs = model.processor.batch(batch, parameter.device, parameter.dtype)
+    image_index, text_mask = inputs.image_index, inputs.attention_mask.bool()
     with torch.inference_mode():
-        image_tokens = model.embed_images(pixels)  # (Bi, Li, fusion_dim)
-        text = model.encode_questions(tokens["input_ids"], tokens["attention_mask"])  # (Bq, Lt, fusion_dim)
+        image_tokens = model.embed_images(inputs.pixel_values)  # (Bi, Li, fusion_dim)
+        text = model.encode_questions(inputs.input_ids, inputs.attention_mask)  # (Bq, Lt, fusion_dim)
 
     @torch.inference_mode()
     def fusion() -> None:
@@ -183,6 +181,6 @@ def _forward_runs(model: VLFuseModel, batch: dict):
 
     @torch.inference_mode()
     def whole() -> None:
-        model(pixels, tokens["input_ids"], tokens["attention_mask"], image_index=image_index)
+        model(**inputs)
 
     return fusion, whole

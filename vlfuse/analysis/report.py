@@ -133,7 +133,7 @@ def _header(collection, accuracy, context, dead, roles) -> list[str]:
         f"- image tokens: {collection.num_prefix_tokens} prefix + a {rows}x{cols} patch grid",
         f"- fusion layers: {len(collection.stats)}, heads: {total} (heads are named layer.head, by original id)",
         f"- accuracy: {accuracy:.4f}",
-        f"- roles: " + ", ".join(f"{tag} {counts[tag]}" for tag in ROLES),
+        "- roles: " + ", ".join(f"{tag} {counts[tag]}" for tag in ROLES),
         f"- dead heads: {len(dead_list)} of {total}" + (f" ({', '.join(dead_list)})" if dead_list else ""),
         "",
     ]

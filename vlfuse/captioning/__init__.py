@@ -4,7 +4,7 @@ The Lightning module is :mod:`vlfuse.captioning.lit` and the datamodules are
 :mod:`vlfuse.datamodules.captions` (not imported here: they import this package).
 """
 
-from vlfuse.captioning.decoder import CaptionBlock, CaptionDecoder, DecoderCache
+from vlfuse.heads.caption_decoder import CaptionBlock, CaptionDecoder, DecoderCache
 from vlfuse.captioning.generate import Caption, beam_search, greedy
 from vlfuse.captioning.grammar import Sentence, describe, fact_precision, object_recall, parse_caption
 from vlfuse.captioning.metrics import CaptionScores, SceneCaptionScores, bleu4, cider_d, tokenize_caption

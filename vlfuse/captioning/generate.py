@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlfuse.captioning.decoder import DecoderCache
+from vlfuse.heads.caption_decoder import DecoderCache
 from vlfuse.captioning.model import CaptionModel
 from vlfuse.model import ImageContext
 
@@ -99,8 +99,8 @@ def greedy(
         attention_layers: blocks whose cross-attention to record for each generated token.
     """
     limit = _limit(model, max_length)
-    rows = image_context.layers[0].batch_size
-    device = image_context.layers[0].key.device
+    rows = image_context.features[0].batch_size
+    device = image_context.features[0].key.device
     tokens = torch.full((rows, 1), model.bos_id, dtype=torch.long, device=device)
     steps = _Steps(model, image_context, None, use_cache, attention_layers)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -147,8 +147,8 @@ def beam_search(
     if beam_size < 1:
         raise ValueError(f"beam_size must be at least 1, got {beam_size}")
     limit = _limit(model, max_length)
-    images = image_context.layers[0].batch_size
-    device = image_context.layers[0].key.device
+    images = image_context.features[0].batch_size
+    device = image_context.features[0].key.device
     rows = images * beam_size
     first_row = torch.arange(images, device=device) * beam_size  # (B,) each image's first beam row
     tokens = torch.full((rows, 1), model.bos_id, dtype=torch.long, device=device)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from vlfuse.captioning.decoder import CaptionDecoder, DecoderCache, DecoderOutput
+from vlfuse import model_io
 from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, build_word_tokenizer, load_tokenizer
-from vlfuse.model import CONFIG_FILE, TOKENIZER_DIR, WEIGHTS_FILE, ImageContext, load_weights, require_files, save_weights
+from vlfuse.heads.caption_decoder import CaptionDecoder, DecoderCache, DecoderOutput
+from vlfuse.model import ImageContext
+from vlfuse.processor import VLFuseProcessor
 
 FORMAT_VERSION = 1
 MODEL_TYPE = "vlfuse-caption"
@@ -60,28 +60,29 @@ class CaptionConfig:
 
 class CaptionModel(nn.Module):
     """Writes a caption for an image: a timm ViT encodes the image, a causal decoder of fusion
-    blocks (:class:`~vlfuse.captioning.decoder.CaptionDecoder`) writes the words, each of them
+    blocks (:class:`~vlfuse.heads.caption_decoder.CaptionDecoder`) writes the words, each of them
     attending to the image patches with 16-head cross-attention.
 
-    The tokenizer wraps a caption as ``BOS words EOS``: its ``cls_token`` begins and its ``sep_token``
-    ends a caption. The stages: :meth:`encode_images` (pixels -> per-block image keys/values,
-    projected once per image) and :meth:`decode` (tokens -> next-token scores, with an optional cache);
-    :meth:`forward` is teacher forcing. Generation is :mod:`vlfuse.captioning.generate`.
+    The processor's tokenizer wraps a caption as ``BOS words EOS``: its ``cls_token`` begins and its
+    ``sep_token`` ends a caption. The stages: :meth:`encode_images` (pixels -> per-block image
+    keys/values, projected once per image) and :meth:`decode` (tokens -> next-token scores, with an
+    optional cache); :meth:`forward` is teacher forcing. Generation is :mod:`vlfuse.captioning.generate`.
 
     Args:
         config: the architecture.
-        tokenizer: a transformers tokenizer with pad, cls (begin) and sep (end) tokens, e.g. from
-            :meth:`from_config`.
+        processor: the tokenizer (with pad, cls = begin and sep = end tokens) and image transform,
+            e.g. from :meth:`from_config`.
         load_pretrained: load pretrained image-encoder weights where the config names them.
     """
 
-    def __init__(self, config: CaptionConfig, tokenizer, *, load_pretrained: bool = True) -> None:
+    def __init__(self, config: CaptionConfig, processor: VLFuseProcessor, *, load_pretrained: bool = True) -> None:
         super().__init__()
+        tokenizer = processor.tokenizer
         for role in ("pad_token_id", "cls_token_id", "sep_token_id"):
             if getattr(tokenizer, role, None) is None:
                 raise ValueError(f"the caption tokenizer needs a {role.removesuffix('_id')} (pad, begin = cls, end = sep)")
         self.config = config
-        self.tokenizer = tokenizer
+        self.processor = processor
         self.image_encoder = ImageEncoder(config.image, load_weights=load_pretrained)
         self.image_proj = nn.Linear(self.image_encoder.width, config.dim)
         self.decoder = CaptionDecoder(
@@ -93,14 +94,19 @@ class CaptionModel(nn.Module):
             dropout=config.dropout,
             attn_dropout=config.attn_dropout,
             mlp_ratio=config.mlp_ratio,
-            mlp_type=config.mlp_type,
+            mlp_layer=config.mlp_type,
             gated=config.gated,
         )
 
     @classmethod
     def from_config(cls, config: CaptionConfig, captions: Iterable[str]) -> "CaptionModel":
         """A new model whose word-level tokenizer knows every word of ``captions``."""
-        return cls(config, build_word_tokenizer(captions, config.max_length))
+        return cls(config, caption_processor(config, build_word_tokenizer(captions, config.max_length)))
+
+    @property
+    def tokenizer(self):
+        """The processor's tokenizer."""
+        return self.processor.tokenizer
 
     @property
     def bos_id(self) -> int:
@@ -115,13 +121,9 @@ class CaptionModel(nn.Module):
         return self.tokenizer.pad_token_id
 
     # ----------------------------------------------------------------------------- the stages
-    def tokenize(self, captions: Sequence[str]) -> torch.Tensor:
+    def tokenize(self, captions: Iterable[str]) -> torch.Tensor:
         """Captions -> ``(B, L)`` ids ``BOS words EOS``, right-padded, at most ``max_length`` tokens."""
-        encoded = self.tokenizer(
-            list(captions), padding=True, truncation=True, max_length=self.config.max_length, return_tensors="pt",
-            return_token_type_ids=False, return_attention_mask=False,
-        )
-        return encoded["input_ids"]
+        return self.processor.tokenize(captions)["input_ids"]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids -> the caption: the words up to the first end token, joined by spaces."""
@@ -146,7 +148,7 @@ class CaptionModel(nn.Module):
     ) -> DecoderOutput:
         """Next-token scores ``(B, Lt, vocab)`` for ``input_ids`` ``(B, Lt)`` (see :meth:`CaptionDecoder.forward`)."""
         return self.decoder(
-            input_ids, image_context.layers, image_index=image_index, cache=cache, weights_from=tuple(weights_from)
+            input_ids, image_context.features, image_index=image_index, cache=cache, weights_from=tuple(weights_from)
         )
 
     def new_cache(self) -> DecoderCache:
@@ -165,35 +167,31 @@ class CaptionModel(nn.Module):
     # ------------------------------------------------------------------------- save and load
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write weights (safetensors), config (JSON) and the tokenizer to ``directory``."""
-        directory = save_weights(self, directory)
+        directory = model_io.save_weights(self, directory)
         meta = {"format_version": FORMAT_VERSION, "model_type": MODEL_TYPE, "config": asdict(self.config)}
-        (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        self.tokenizer.save_pretrained(directory / TOKENIZER_DIR)
+        model_io.write_json(directory / model_io.CONFIG_FILE, meta)
+        self.tokenizer.save_pretrained(directory / model_io.TOKENIZER_DIR)
         return directory
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> "CaptionModel":
         """Rebuild a model saved by :meth:`save_pretrained`; nothing is unpickled, no hub is needed."""
         directory = Path(directory)
-        require_files(directory, (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_DIR), "a saved vlfuse caption model")
-        meta = json.loads((directory / CONFIG_FILE).read_text())
-        if meta.get("model_type") != MODEL_TYPE or meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{directory / CONFIG_FILE} is not a caption model of format {FORMAT_VERSION} "
-                f"(model_type {meta.get('model_type')!r}, format {meta.get('format_version')!r})"
-            )
-        model = cls(
-            CaptionConfig.from_dict(meta["config"]), load_tokenizer(str(directory / TOKENIZER_DIR)), load_pretrained=False
-        )
-        state = load_file(directory / WEIGHTS_FILE, device=str(map_location))
-        load_weights(model, state, directory, str(directory / CONFIG_FILE))
+        files = (model_io.WEIGHTS_FILE, model_io.CONFIG_FILE, model_io.TOKENIZER_DIR)
+        model_io.require_files(directory, files, "a saved vlfuse caption model")
+        meta = model_io.read_meta(directory, MODEL_TYPE, (FORMAT_VERSION,))
+        config = CaptionConfig.from_dict(meta["config"])
+        processor = caption_processor(config, load_tokenizer(str(directory / model_io.TOKENIZER_DIR)))
+        model = cls(config, processor, load_pretrained=False)
+        model_io.load_weights(model, model_io.read_weights(directory, map_location), directory, str(directory / model_io.CONFIG_FILE))
         return model.to(map_location).eval()
+
+
+def caption_processor(config: CaptionConfig, tokenizer) -> VLFuseProcessor:
+    """The processor of a caption model of ``config``: ``tokenizer``, its image size and its longest caption."""
+    return VLFuseProcessor(tokenizer, image_size=config.image.image_size, max_length=config.max_length)
 
 
 def is_caption_model(directory: str | Path) -> bool:
     """Whether ``directory``'s ``config.json`` describes a caption model (``False`` when it has none)."""
-    path = Path(directory) / CONFIG_FILE
-    try:
-        return json.loads(path.read_text()).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError, AttributeError):
-        return False  # the answering model's loader names what is wrong
+    return model_io.model_type_of(directory) == MODEL_TYPE

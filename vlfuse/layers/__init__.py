@@ -2,14 +2,17 @@
 
 from vlfuse.layers.attention import (
     CrossAttention,
+    MultiHeadAttention,
     OutputGate,
     ProjectedContext,
+    SelfAttention,
     attention_core,
     leaky_relu_normalize,
     softmax_normalize,
 )
+from vlfuse.layers.causal import CausalSelfAttention, KVCache
 from vlfuse.layers.diversity import head_diversity
-from vlfuse.layers.fusion import FusionBlock, FusionStack, SwiGLU
+from vlfuse.layers.fusion import MLP_LAYERS, FusionBlock, FusionStack, Mlp, SwiGLU
 from vlfuse.layers.local_attention import (
     LocalLayout,
     LocalSelfAttention,
@@ -21,17 +24,23 @@ from vlfuse.layers.local_attention import (
     sliding_window,
     sliding_window_mask,
 )
-from vlfuse.layers.map_program import MapProgramReader
+from vlfuse.layers.packing import PackedTokens
 
 __all__ = [
+    "MLP_LAYERS",
+    "CausalSelfAttention",
     "CrossAttention",
     "FusionBlock",
     "FusionStack",
+    "KVCache",
     "LocalLayout",
     "LocalSelfAttention",
-    "MapProgramReader",
+    "Mlp",
+    "MultiHeadAttention",
     "OutputGate",
+    "PackedTokens",
     "ProjectedContext",
+    "SelfAttention",
     "SwiGLU",
     "attention_core",
     "block_sparse",

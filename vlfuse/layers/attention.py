@@ -1,4 +1,4 @@
-"""Multi-head cross-attention: the whole attention story of vlfuse in one file.
+"""Multi-head attention: the whole attention story of vlfuse in one file.
 
 Text tokens are the queries, image tokens the keys and values. All heads are computed at once by
 reshaping ``(B, L, H * hd) -> (B, H, L, hd)``; no Python loop ever runs over heads.
@@ -11,12 +11,15 @@ In reading order:
 - :func:`attention_core`: ``normalize(Q K^T / sqrt(hd)) V``, through SDPA when it can;
 - :class:`KeyMask`: the one rule for a query that may attend no key;
 - :class:`OutputGate`: the query-dependent output gate;
-- :class:`CrossAttention`: the layer; :meth:`CrossAttention.attend_packed` for packed query tokens
-  grouped by the context row they read (:mod:`vlfuse.layers.packing`), e.g. the real tokens of all
-  the questions about each image.
+- :class:`MultiHeadAttention`: the core every layer shares (projections, heads, pruning);
+- :class:`CrossAttention`: queries from one sequence, keys and values from another;
+  :meth:`CrossAttention.attend_packed` for packed query tokens grouped by the context row they
+  read (:mod:`vlfuse.layers.packing`), e.g. the real tokens of all the questions about each image;
+- :class:`SelfAttention`: a sequence over itself, under a padding mask.
 
-Local self-attention (sliding window, 2-D neighbourhood, block-sparse, FlexAttention) is
-:class:`~vlfuse.layers.local_attention.LocalSelfAttention`, in its own module.
+The two other self-attentions are built on the same core, each in its own module: causal
+attention with a key/value cache (:mod:`vlfuse.layers.causal`) and local attention for long inputs
+(sliding window, 2-D neighbourhood, block-sparse, FlexAttention: :mod:`vlfuse.layers.local_attention`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlfuse.layers.packing import ContextGroups, TokenPacking, per_token_head_mask
+from vlfuse.layers.packing import ContextGroups, PackedTokens
 
 Normalizer = Literal["softmax", "leaky_relu"]
 NormalizeFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -193,18 +196,29 @@ class OutputGate(nn.Linear):
         return merged * torch.sigmoid(super().forward(x))
 
 
-class CrossAttention(nn.Module):
-    """Multi-head attention whose queries come from ``x`` and keys/values from ``context``.
 
-    Keys and values come from one fused ``kv_proj`` product. The core is SDPA; the explicit
-    matmul-normalise-matmul path runs only for a call that asks for the weights, with a normaliser
-    other than softmax, or with ``use_sdpa = False``. :meth:`prune_heads` removes heads for real
-    (the remaining ones cost less); ``head_mask`` switches them off per call.
+class MultiHeadAttention(nn.Module):
+    """The core every attention layer of vlfuse shares: projections, heads, the attention core, pruning.
+
+    It holds the query projection ``q_proj``, the fused key/value projection ``kv_proj`` (rows:
+    keys, then values), the output projection ``out_proj`` and the optional :class:`OutputGate`
+    ``gate_proj``, and computes ``out_proj(gate(heads(normalize(Q K^T / sqrt(hd)) V)))`` for all
+    heads at once. The layers differ only in where their keys come from and which keys each query
+    may see, and each is a thin subclass that says so in its ``forward``:
+    :class:`CrossAttention` (another sequence), :class:`SelfAttention` (the sequence itself, under
+    a padding mask), :class:`~vlfuse.layers.causal.CausalSelfAttention` (itself, the tokens before
+    each, with a key/value cache) and :class:`~vlfuse.layers.local_attention.LocalSelfAttention`
+    (itself, under a local layout). All of them share these parameter names, which are
+    ``nn.MultiheadAttention``'s split in two (see :meth:`from_torch`), so that saved models of
+    every format load into them.
+
+    The core is SDPA; the explicit matmul-normalise-matmul path runs only for a call that asks for
+    the weights, with a normaliser other than softmax, or with ``use_sdpa = False``.
 
     Args:
-        dim: width of the query sequence ``x`` and of the output.
+        dim: width of the queries and of the output.
         num_heads: number of attention heads; ``dim`` must be divisible by it.
-        kv_dim: width of the context sequence (default: ``dim``).
+        kv_dim: width of the sequence keys and values come from (default: ``dim``).
         dropout: dropout probability on the attention weights, in training mode.
         bias: whether the projections have biases.
         normalizer: how scores become weights, a name of :data:`NORMALIZERS`: ``"softmax"`` (the
@@ -272,11 +286,121 @@ class CrossAttention(nn.Module):
             nn.init.xavier_uniform_(self.gate_proj.weight)
             nn.init.zeros_(self.gate_proj.bias)  # gates start near 0.5 on average
 
+    # ------------------------------------------------------------------------- the shared steps
     def project_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> ProjectedContext:
         """Project ``context`` ``(B, Lk, kv_dim)`` to keys and values once, for reuse across calls."""
         _check_context(context, context_mask, self.kv_dim)
         key, value = self.kv_proj(context).chunk(2, dim=-1)  # each (B, Lk, H * hd)
-        return ProjectedContext(self._split_heads(key), self._split_heads(value), context_mask)
+        return ProjectedContext(self.split_heads(key), self.split_heads(value), context_mask)
+
+    def split_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """``(B, L, H * hd) -> (B, H, L, hd)``."""
+        b, length, _ = t.shape
+        return t.view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_mask: KeyMask | None = None,
+        *,
+        need_weights: bool = False,
+        head_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Queries from ``x`` ``(B, Lq, dim)`` over ``key``/``value`` ``(B, H, Lk, hd)``: ``(out (B, Lq, dim), weights)``.
+
+        ``key_mask`` (over ``(B, Lq or 1, Lk)``) says which keys each query may see; a query left
+        with none gets a zero output. ``head_mask``: ``(H,)`` or ``(B, H)`` factors on the heads.
+        """
+        q = self.split_heads(self.q_proj(x))  # (B, H, Lq, hd)
+        out, weights = self.core(q, key, value, None if key_mask is None else key_mask.attend, need_weights)
+        b, h, lq, hd = out.shape
+        if head_mask is not None and head_mask.dim() == 2:
+            head_mask = head_mask[:, None]  # (B, 1, H): broadcast over tokens
+        out = self.project_out(out.transpose(1, 2).reshape(b, lq, h * hd), x, head_mask)  # from (B, Lq, H * hd)
+        if key_mask is not None:
+            out, weights = key_mask.zero_empty(out, weights)
+        return out, weights
+
+    def core(
+        self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, need_weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`attention_core` with this layer's options: ``q`` ``(B, H, Lq, hd)`` -> ``(out (B, H, Lq, hd), weights)``;
+        ``mask`` as for :func:`attention_core` (every query must keep a key)."""
+        return attention_core(
+            q, key, value, mask,
+            dropout_p=self.dropout if self.training else 0.0, use_sdpa=self.use_sdpa, need_weights=need_weights,
+            normalize=self.normalize,
+        )
+
+    def project_out(self, merged: torch.Tensor, x: torch.Tensor, head_mask: torch.Tensor | None) -> torch.Tensor:
+        """Concatenated heads ``(..., H * hd)`` -> ``(..., dim)``: scale each head by ``head_mask`` (broadcast
+        to ``(..., H)``), gate by the queries ``x`` ``(..., dim)``, project."""
+        if head_mask is not None:
+            heads = merged.unflatten(-1, (self.num_heads, self.head_dim))  # (..., H, hd)
+            merged = (heads * head_mask[..., None]).flatten(-2)
+        if self.gate_proj is not None:
+            merged = self.gate_proj(x, merged)
+        return self.out_proj(merged)
+
+    # ------------------------------------------------------------------------------- pruning
+    @torch.no_grad()
+    def prune_heads(self, heads: Iterable[int]) -> None:
+        """Remove heads for real, by their original index (idempotent for removed heads).
+
+        The q/k/v rows, the gate rows and the output-projection columns of those heads are sliced
+        away, so the remaining heads cost proportionally less.
+        """
+        original_count = self.dim // self.head_dim
+        heads = set(int(h) for h in heads)
+        bad = sorted(h for h in heads if not 0 <= h < original_count)
+        if bad:
+            raise ValueError(f"head indices {bad} out of range for a layer built with {original_count} heads")
+        keep = [i for i, h in enumerate(self.head_ids) if h not in heads]
+        if not keep:
+            raise ValueError(f"cannot prune every head of a {type(self).__name__} layer")
+        if len(keep) == self.num_heads:
+            return
+        hd, inner = self.head_dim, self.num_heads * self.head_dim
+        rows = torch.tensor([i * hd + j for i in keep for j in range(hd)], device=self.q_proj.weight.device)
+        self.q_proj = _slice_linear(self.q_proj, rows, dim=0)
+        self.kv_proj = _slice_linear(self.kv_proj, torch.cat([rows, rows + inner]), dim=0)
+        self.out_proj = _slice_linear(self.out_proj, rows, dim=1)
+        if self.gate_proj is not None:
+            self.gate_proj = _slice_linear(self.gate_proj, rows, dim=0)
+        self.head_ids = [self.head_ids[i] for i in keep]
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """Copy the weights of a ``batch_first`` :class:`nn.MultiheadAttention` (``kdim``/``vdim`` too)."""
+        weights = _weights_of_torch_attention(mha)
+        options = {"kv_dim": mha.kdim} if mha.kdim != mha.embed_dim else {}
+        attn = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias="q_proj.bias" in weights, **options)
+        attn.load_state_dict(weights)
+        return attn.to(mha.out_proj.weight.device, mha.out_proj.weight.dtype)
+
+    def extra_repr(self) -> str:
+        text = f"dim={self.dim}, kv_dim={self.kv_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
+        if self.normalizer != "softmax":
+            text += f", normalizer={self.normalizer}"
+        return text + (", output_gate=True" if self.gate_proj is not None else "")
+
+
+class CrossAttention(MultiHeadAttention):
+    """Multi-head attention whose queries come from ``x`` and keys/values from ``context``.
+
+    The layer of the fusion blocks: text tokens are the queries, image tokens the keys and values.
+    Keys and values can be projected once (:meth:`project_context`) and read by many query rows
+    (``context_index``, e.g. many questions about one image); :meth:`prune_heads` removes heads for
+    real (the remaining ones cost less); ``head_mask`` switches them off per call.
+
+    Args:
+        dim: width of the query sequence ``x`` and of the output.
+        num_heads: number of attention heads; ``dim`` must be divisible by it.
+        kv_dim: width of the context sequence (default: ``dim``).
+        dropout, bias, normalizer, output_gate: see :class:`MultiHeadAttention`.
+    """
 
     def keys_values(
         self, context: torch.Tensor | None = None, context_mask: torch.Tensor | None = None, kv: ProjectedContext | None = None
@@ -320,24 +444,18 @@ class CrossAttention(nn.Module):
             ``(B, Lq, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
         kv = self.keys_values(context, context_mask, kv)
-        check_queries(x, self.dim, kv, self.num_heads, context_index)
-        b, lq, h = x.shape[0], x.shape[1], self.num_heads
-        check_head_mask(head_mask, b, h)
-        if context_index is not None:  # the rows' tokens, one after another, grouped by context row
-            packing = TokenPacking(b, lq, device=x.device)
-            out, weights = self.attend_packed(
-                packing.pack(x), kv, ContextGroups(context_index[packing.rows], kv.batch_size),
-                need_weights=need_weights, head_mask=per_token_head_mask(head_mask, packing),
-            )
-            out = packing.unpack(out, x)  # (B, Lq, dim)
-            weights = None if weights is None else weights.view(b, lq, h, -1).transpose(1, 2)  # (B, H, Lq, Lk)
+        check_queries(x, self.dim, kv, self.num_heads, context_index, head_mask)
+        if context_index is None:
+            key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (B, 1, Lk)
+            out, weights = self.attend(x, kv.key, kv.value, key_mask, need_weights=need_weights, head_mask=head_mask)
             return (out, weights) if need_weights else out
-        key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (B, 1, Lk)
-        q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
-        out, weights = self._attend(q, kv, key_mask, need_weights)
-        out = self._merge_heads(out, x, head_mask)  # (B, Lq, dim)
-        if key_mask is not None:
-            out, weights = key_mask.zero_empty(out, weights)
+        b, lq, h = x.shape[0], x.shape[1], self.num_heads
+        layout = PackedTokens.of(x, None, context_index, kv.batch_size)  # every row's tokens, grouped by context row
+        out, weights = self.attend_packed(
+            layout.pack(x), kv, layout.groups, need_weights=need_weights, head_mask=layout.per_token(head_mask)
+        )
+        out = layout.unpack(out, x)  # (B, Lq, dim)
+        weights = None if weights is None else weights.view(b, lq, h, -1).transpose(1, 2)  # (B, H, Lq, Lk)
         return (out, weights) if need_weights else out
 
     def attend_packed(
@@ -368,86 +486,53 @@ class CrossAttention(nn.Module):
         key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (Bc, 1, Lk)
         q = groups.group(self.q_proj(tokens))  # (Bc, Lg, H * hd)
         q = q.view(groups.num_contexts, groups.size, h, hd).transpose(1, 2)  # (Bc, H, Lg, hd)
-        out, weights = self._attend(q, kv, key_mask, need_weights)
+        out, weights = self.core(q, kv.key, kv.value, None if key_mask is None else key_mask.attend, need_weights)
         merged = groups.ungroup(out.transpose(1, 2).reshape(groups.num_contexts, groups.size, h * hd))  # (N, H * hd)
         if weights is not None:
             weights = groups.ungroup(weights.transpose(1, 2).flatten(2)).view(n, h, -1)  # (N, H, Lk)
-        out = self._project_out(merged, tokens, head_mask)  # (N, dim)
+        out = self.project_out(merged, tokens, head_mask)  # (N, dim)
         if key_mask is not None:
             out, weights = key_mask.zero_empty(out, weights, rows=groups.context)
         return out, weights
 
-    def _attend(
-        self, q: torch.Tensor, kv: ProjectedContext, key_mask: KeyMask | None, need_weights: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The core on ``q`` ``(Bc, H, Lq, hd)`` against ``kv``'s rows: ``(out (Bc, H, Lq, hd), weights or None)``."""
-        return attention_core(
-            q, kv.key, kv.value, None if key_mask is None else key_mask.attend,
-            dropout_p=self.dropout if self.training else 0.0, use_sdpa=self.use_sdpa, need_weights=need_weights,
-            normalize=self.normalize,
-        )
 
-    def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
-        b, length, _ = t.shape
-        return t.view(b, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
+class SelfAttention(MultiHeadAttention):
+    """Multi-head attention of a sequence over itself, with a padding mask: a fusion block's text self-attention.
 
-    def _merge_heads(self, out: torch.Tensor, x: torch.Tensor, head_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Heads' outputs ``(B, H, Lq, hd)`` -> ``(B, Lq, dim)``: concatenate, scale by ``head_mask``, gate, project."""
-        b, h, lq, hd = out.shape
-        if head_mask is not None and head_mask.dim() == 2:
-            head_mask = head_mask[:, None]  # (B, 1, H): broadcast over tokens
-        return self._project_out(out.transpose(1, 2).reshape(b, lq, h * hd), x, head_mask)  # from (B, Lq, H * hd)
+    Args:
+        dim: width of the tokens.
+        num_heads: number of attention heads; ``dim`` must be divisible by it.
+        dropout, bias, normalizer, output_gate: see :class:`MultiHeadAttention`.
+    """
 
-    def _project_out(self, merged: torch.Tensor, x: torch.Tensor, head_mask: torch.Tensor | None) -> torch.Tensor:
-        """Concatenated heads ``(..., H * hd)`` -> ``(..., dim)``: scale each head by ``head_mask`` (broadcast
-        to ``(..., H)``), gate by the queries ``x`` ``(..., dim)``, project."""
-        if head_mask is not None:
-            heads = merged.unflatten(-1, (self.num_heads, self.head_dim))  # (..., H, hd)
-            merged = (heads * head_mask[..., None]).flatten(-2)
-        if self.gate_proj is not None:
-            merged = self.gate_proj(x, merged)
-        return self.out_proj(merged)
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 16,
+        *,
+        dropout: float = 0.0,
+        bias: bool = True,
+        normalizer: Normalizer = "softmax",
+        output_gate: bool = False,
+    ) -> None:
+        super().__init__(dim, num_heads, dropout=dropout, bias=bias, normalizer=normalizer, output_gate=output_gate)
 
-    @torch.no_grad()
-    def prune_heads(self, heads: Iterable[int]) -> None:
-        """Remove heads for real, by their original index (idempotent for removed heads).
+    def forward(
+        self, x: torch.Tensor, *, mask: torch.Tensor | None = None, need_weights: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from each token of ``x`` ``(B, L, dim)`` to every real token of its row.
 
-        The q/k/v rows, the gate rows and the output-projection columns of those heads are sliced
-        away, so the remaining heads cost proportionally less.
+        Args:
+            mask: ``(B, L)`` bool, True for real (non-padding) tokens; padding keys get no weight.
+            need_weights: also return the weights ``(B, H, L, L)`` (the explicit path).
+
+        Returns:
+            ``(B, L, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
-        original_count = self.dim // self.head_dim
-        heads = set(int(h) for h in heads)
-        bad = sorted(h for h in heads if not 0 <= h < original_count)
-        if bad:
-            raise ValueError(f"head indices {bad} out of range for a layer built with {original_count} heads")
-        keep = [i for i, h in enumerate(self.head_ids) if h not in heads]
-        if not keep:
-            raise ValueError("cannot prune every head of a CrossAttention layer")
-        if len(keep) == self.num_heads:
-            return
-        hd, inner = self.head_dim, self.num_heads * self.head_dim
-        rows = torch.tensor([i * hd + j for i in keep for j in range(hd)], device=self.q_proj.weight.device)
-        self.q_proj = _slice_linear(self.q_proj, rows, dim=0)
-        self.kv_proj = _slice_linear(self.kv_proj, torch.cat([rows, rows + inner]), dim=0)
-        self.out_proj = _slice_linear(self.out_proj, rows, dim=1)
-        if self.gate_proj is not None:
-            self.gate_proj = _slice_linear(self.gate_proj, rows, dim=0)
-        self.head_ids = [self.head_ids[i] for i in keep]
-
-    @classmethod
-    def from_torch(cls, mha: nn.MultiheadAttention) -> "CrossAttention":
-        """Copy the weights of a ``batch_first`` :class:`nn.MultiheadAttention` (``kdim``/``vdim`` too)."""
-        weights = _weights_of_torch_attention(mha)
-        attn = cls(mha.embed_dim, mha.num_heads, kv_dim=mha.kdim, dropout=mha.dropout, bias="q_proj.bias" in weights)
-        attn.load_state_dict(weights)
-        return attn.to(mha.out_proj.weight.device, mha.out_proj.weight.dtype)
-
-    def extra_repr(self) -> str:
-        text = f"dim={self.dim}, kv_dim={self.kv_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
-        if self.normalizer != "softmax":
-            text += f", normalizer={self.normalizer}"
-        return text + (", output_gate=True" if self.gate_proj is not None else "")
-
+        kv = self.project_context(x, mask)
+        key_mask = None if mask is None else KeyMask(mask[:, None, :])  # over (B, 1, L)
+        out, weights = self.attend(x, kv.key, kv.value, key_mask, need_weights=need_weights)
+        return (out, weights) if need_weights else out
 
 def _check_context(context: torch.Tensor, context_mask: torch.Tensor | None, kv_dim: int) -> None:
     if context.dim() != 3:
@@ -472,10 +557,17 @@ def check_head_mask(head_mask: torch.Tensor | None, batch: int, heads: int) -> N
 
 
 def check_queries(
-    x: torch.Tensor, dim: int, kv: ProjectedContext, heads: int, context_index: torch.Tensor | None
+    x: torch.Tensor,
+    dim: int,
+    kv: ProjectedContext,
+    heads: int,
+    context_index: torch.Tensor | None,
+    head_mask: torch.Tensor | None = None,
 ) -> None:
-    """``x`` must be ``(B, Lq, dim)``, ``kv`` have the layer's heads and one row per row of ``x`` or
-    ``context_index`` point into its rows."""
+    """The one check of a cross-attention's inputs: ``x`` must be ``(B, Lq, dim)``, ``kv`` have the
+    layer's heads and one row per row of ``x`` or ``context_index`` point into its rows, and
+    ``head_mask`` (if any) be ``(H,)`` or ``(B, H)``."""
+    check_head_mask(head_mask, x.shape[0] if x.dim() == 3 else 0, heads)
     if x.dim() != 3 or x.shape[-1] != dim:
         raise ValueError(f"x must be (batch, length, {dim}), got shape {tuple(x.shape)}")
     batch = x.shape[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vlfuse.layers.attention import CrossAttention, attention_core
+from vlfuse.layers.attention import MultiHeadAttention, Normalizer
 
 
 class KVCache:
@@ -51,19 +51,30 @@ def causal_mask(num_queries: int, num_past: int, device: torch.device | None = N
     return allowed.tril(diagonal=num_past)
 
 
-class CausalSelfAttention(CrossAttention):
+class CausalSelfAttention(MultiHeadAttention):
     """Multi-head self-attention in which each token attends to itself and the tokens before it.
 
-    The same parameters (``q_proj``, ``kv_proj``, ``out_proj``, optional ``gate_proj``) and
-    options as :class:`~vlfuse.layers.attention.CrossAttention`, whose projections it uses on its
-    own input; only :meth:`forward` differs. Right padding needs no mask: a real token never
-    attends the padding after it.
+    The core of :class:`~vlfuse.layers.attention.MultiHeadAttention` (its parameters and options) on
+    the layer's own input. Right padding needs no mask: a real token never attends the padding
+    after it.
 
     Args:
         dim: width of the tokens.
         num_heads: number of attention heads; ``dim`` must be divisible by it.
-        **options: ``dropout``, ``bias``, ``normalizer``, ``output_gate``, as for ``CrossAttention``.
+        dropout, bias, normalizer, output_gate: see :class:`~vlfuse.layers.attention.MultiHeadAttention`.
     """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 16,
+        *,
+        dropout: float = 0.0,
+        bias: bool = True,
+        normalizer: Normalizer = "softmax",
+        output_gate: bool = False,
+    ) -> None:
+        super().__init__(dim, num_heads, dropout=dropout, bias=bias, normalizer=normalizer, output_gate=output_gate)
 
     def forward(
         self, x: torch.Tensor, *, cache: KVCache | None = None, need_weights: bool = False
@@ -78,16 +89,13 @@ class CausalSelfAttention(CrossAttention):
         Returns:
             ``(B, Lq, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
-        q = self._split_heads(self.q_proj(x))  # (B, H, Lq, hd)
-        key, value = (self._split_heads(t) for t in self.kv_proj(x).chunk(2, dim=-1))  # each (B, H, Lq, hd)
+        q = self.split_heads(self.q_proj(x))  # (B, H, Lq, hd)
+        key, value = (self.split_heads(t) for t in self.kv_proj(x).chunk(2, dim=-1))  # each (B, H, Lq, hd)
         past = 0
         if cache is not None:
             past = cache.length
             key, value = cache.append(key, value)  # each (B, H, past + Lq, hd)
-        out, weights = attention_core(
-            q, key, value, causal_mask(x.shape[1], past, x.device),
-            dropout_p=self.dropout if self.training else 0.0, use_sdpa=self.use_sdpa, need_weights=need_weights,
-            normalize=self.normalize,
-        )
-        out = self._merge_heads(out, x)  # (B, Lq, dim)
+        out, weights = self.core(q, key, value, causal_mask(x.shape[1], past, x.device), need_weights)
+        b, h, lq, hd = out.shape
+        out = self.project_out(out.transpose(1, 2).reshape(b, lq, h * hd), x, None)  # from (B, Lq, H * hd)
         return (out, weights) if need_weights else out

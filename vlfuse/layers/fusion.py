@@ -1,8 +1,9 @@
 """Fusion blocks: text tokens read image tokens through gated cross-attention.
 
-The blocks work on packed tokens (:mod:`vlfuse.layers.packing`): every per-token step runs on the
-real question tokens alone, and attention once per image over the tokens of all its questions.
-Padding positions pass through a block unchanged.
+The blocks work on packed tokens (:class:`~vlfuse.layers.packing.PackedTokens`): every per-token
+step runs on the real question tokens alone, and attention once per image over the tokens of all
+its questions. Padding positions pass through a block unchanged. Inputs are checked once, where
+they enter (:meth:`FusionBlock.forward`, :meth:`FusionStack.forward`); the packed path trusts them.
 """
 
 from __future__ import annotations
@@ -12,11 +13,21 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext, check_head_mask, check_queries
+from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext, SelfAttention, check_queries
 from vlfuse.layers.local_attention import LocalLayout, LocalSelfAttention
-from vlfuse.layers.packing import ContextGroups, TokenPacking, per_token_head_mask
+from vlfuse.layers.packing import PackedTokens
 
-MLP_TYPES = ("gelu", "swiglu")
+
+class Mlp(nn.Sequential):
+    """The transformer MLP ``Linear -> GELU -> Linear`` (a Sequential: its weights are ``0.*`` and ``2.*``).
+
+    Args:
+        dim: input and output width.
+        hidden: width of the inner projection.
+    """
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
 
 class SwiGLU(nn.Module):
@@ -40,14 +51,17 @@ class SwiGLU(nn.Module):
         return self.out(nn.functional.silu(gate) * value)
 
 
-def build_mlp(dim: int, mlp_ratio: float, mlp_type: str) -> nn.Module:
-    """The feed-forward branch of a fusion block: ``gelu`` (Linear-GELU-Linear) or ``swiglu``."""
-    hidden = int(dim * mlp_ratio)
-    if mlp_type == "gelu":
-        return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
-    if mlp_type == "swiglu":
-        return SwiGLU(dim, hidden)
-    raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got {mlp_type!r}")
+MLP_LAYERS: dict[str, type[nn.Module]] = {"gelu": Mlp, "swiglu": SwiGLU}
+"""The MLPs a block can be built with by name (``mlp_layer="swiglu"``); a class ``(dim, hidden)`` works too."""
+
+
+def mlp_layer_class(mlp_layer: str | type[nn.Module]) -> type[nn.Module]:
+    """The MLP class ``mlp_layer`` names (a key of :data:`MLP_LAYERS`), or ``mlp_layer`` itself when it is a class."""
+    if isinstance(mlp_layer, type):
+        return mlp_layer
+    if mlp_layer not in MLP_LAYERS:
+        raise ValueError(f"mlp_layer must be one of {tuple(MLP_LAYERS)} or an nn.Module class, got {mlp_layer!r}")
+    return MLP_LAYERS[mlp_layer]
 
 
 class FusionBlock(nn.Module):
@@ -65,20 +79,19 @@ class FusionBlock(nn.Module):
         mlp_ratio: hidden width of the MLP as a multiple of ``dim``.
         dropout: dropout on the residual branches.
         attn_dropout: dropout on the attention weights.
-        self_attention: include text self-attention before the cross-attention.
+        self_attention: include text self-attention (:class:`~vlfuse.layers.SelfAttention`) before
+            the cross-attention.
         gated: multiply the cross-attention and MLP branches by tanh gates initialised to 0.
         attention_normalizer: ``"softmax"`` or ``"leaky_relu"``, for both attentions (see
-            :class:`~vlfuse.layers.attention.CrossAttention`).
+            :class:`~vlfuse.layers.attention.MultiHeadAttention`).
         output_gate: both attentions gate their heads' outputs by the query (see
-            :class:`~vlfuse.layers.attention.CrossAttention`).
-        mlp_type: ``"gelu"`` (Linear-GELU-Linear) or ``"swiglu"`` (:class:`SwiGLU`, with two inner
-            projections of the same hidden width).
+            :class:`~vlfuse.layers.attention.OutputGate`).
+        mlp_layer: the MLP, by name (``"gelu"``: :class:`Mlp`; ``"swiglu"``: :class:`SwiGLU`, two
+            inner projections of the same hidden width) or as a class built as ``cls(dim, hidden)``.
         self_attn_layout: restrict the text self-attention to a local layout (e.g.
             :func:`~vlfuse.layers.local_attention.sliding_window`): it is then a
             :class:`~vlfuse.layers.local_attention.LocalSelfAttention` (the same parameter names), and
             text rows must be padded to ``layout.length`` tokens. Default: full self-attention.
-            (This replaces the per-call ``self_attention_mask`` of earlier versions, which no model
-            or config used: a block's attention pattern is now part of the block.)
     """
 
     def __init__(
@@ -94,24 +107,25 @@ class FusionBlock(nn.Module):
         gated: bool = True,
         attention_normalizer: Normalizer = "softmax",
         output_gate: bool = False,
-        mlp_type: str = "gelu",
+        mlp_layer: str | type[nn.Module] = "gelu",
         self_attn_layout: LocalLayout | None = None,
     ) -> None:
         super().__init__()
         if self_attn_layout is not None and not self_attention:
             raise ValueError("self_attn_layout given, but this block has no self-attention (self_attention=False)")
+        mlp_class = mlp_layer_class(mlp_layer)
         attention = dict(dropout=attn_dropout, normalizer=attention_normalizer, output_gate=output_gate)
         if not self_attention:
             self.self_attn = None
         elif self_attn_layout is None:
-            self.self_attn = CrossAttention(dim, num_heads, **attention)
+            self.self_attn = SelfAttention(dim, num_heads, **attention)
         else:
             self.self_attn = LocalSelfAttention(dim, num_heads, layout=self_attn_layout, **attention)
         self.norm_self = nn.LayerNorm(dim) if self_attention else None
         self.norm_cross = nn.LayerNorm(dim)
         self.cross_attn = CrossAttention(dim, num_heads, kv_dim=kv_dim, **attention)
         self.norm_mlp = nn.LayerNorm(dim)
-        self.mlp = build_mlp(dim, mlp_ratio, mlp_type)
+        self.mlp = mlp_class(dim, int(dim * mlp_ratio))
         self.drop = nn.Dropout(dropout)
         self.gate_attn = nn.Parameter(torch.zeros(1)) if gated else None
         self.gate_mlp = nn.Parameter(torch.zeros(1)) if gated else None
@@ -144,55 +158,43 @@ class FusionBlock(nn.Module):
                 :meth:`~vlfuse.layers.CrossAttention.forward`).
         """
         kv = self.cross_attn.keys_values(context, context_mask, kv)
-        check_queries(x, self.cross_attn.dim, kv, self.cross_attn.num_heads, context_index)
-        check_head_mask(head_mask, x.shape[0], self.cross_attn.num_heads)
-        packing, groups = pack_queries(x, text_mask, context_index, kv.batch_size)
+        check_queries(x, self.cross_attn.dim, kv, self.cross_attn.num_heads, context_index, head_mask)
+        layout = PackedTokens.of(x, text_mask, context_index, kv.batch_size)
         tokens, weights = self.forward_packed(
-            packing.pack(x), kv, packing, groups, need_weights=need_weights, head_mask=per_token_head_mask(head_mask, packing)
+            layout.pack(x), kv, layout, need_weights=need_weights, head_mask=layout.per_token(head_mask)
         )
-        out = packing.unpack(tokens, x)
-        return (out, unpack_weights(weights, packing)) if need_weights else out
+        out = layout.unpack(tokens, x)
+        return (out, unpack_weights(weights, layout)) if need_weights else out
 
     def forward_packed(
         self,
         tokens: torch.Tensor,
         kv: ProjectedContext,
-        packing: TokenPacking,
-        groups: ContextGroups,
+        layout: PackedTokens,
         *,
         need_weights: bool = False,
         head_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`forward` on the real tokens ``(N, dim)`` of ``packing``'s rows, each reading its image in ``groups``.
+        """:meth:`forward` on the real tokens ``(N, dim)`` of ``layout``'s rows, each reading its image.
 
         Returns:
             ``(tokens (N, dim), cross-attention weights (N, H, Li) or None)``; ``head_mask``: ``(H,)`` or ``(N, H)``.
         """
         if self.self_attn is not None:  # over the padded rows, with the text mask
-            h = self.norm_self(tokens)
-            rows = packing.unpack(h, h.new_zeros(packing.batch, packing.length, h.shape[-1]))  # (B, Lt, dim)
-            tokens = tokens + self.drop(packing.pack(self.self_attn(rows, rows, context_mask=packing.mask)))
+            rows = layout.to_rows(self.norm_self(tokens))  # (B, Lt, dim)
+            tokens = tokens + self.drop(layout.pack(self.self_attn(rows, mask=layout.mask)))
         attended, weights = self.cross_attn.attend_packed(
-            self.norm_cross(tokens), kv, groups, need_weights=need_weights, head_mask=head_mask
+            self.norm_cross(tokens), kv, layout.groups, need_weights=need_weights, head_mask=head_mask
         )
         tokens = tokens + self._gate(self.gate_attn, self.drop(attended))
         tokens = tokens + self._gate(self.gate_mlp, self.drop(self.mlp(self.norm_mlp(tokens))))
         return tokens, weights
 
 
-def pack_queries(
-    x: torch.Tensor, text_mask: torch.Tensor | None, image_index: torch.Tensor | None, num_images: int
-) -> tuple[TokenPacking, ContextGroups]:
-    """The real tokens of the text ``x`` ``(B, Lt, dim)`` and, grouped by image, what each reads."""
-    packing = TokenPacking(x.shape[0], x.shape[1], text_mask, device=x.device)
-    image_of_token = packing.rows if image_index is None else image_index[packing.rows]  # (N,)
-    return packing, ContextGroups(image_of_token, num_images)
-
-
-def unpack_weights(weights: torch.Tensor, packing: TokenPacking) -> torch.Tensor:
+def unpack_weights(weights: torch.Tensor, layout: PackedTokens) -> torch.Tensor:
     """Packed weights ``(N, H, Li) -> (B, H, Lt, Li)``, zero at padding positions."""
-    padding = weights.new_zeros(packing.batch, packing.length, *weights.shape[1:])  # (B, Lt, H, Li)
-    return packing.unpack(weights, padding).transpose(1, 2)
+    padding = weights.new_zeros(layout.batch, layout.length, *weights.shape[1:])  # (B, Lt, H, Li)
+    return layout.unpack(weights, padding).transpose(1, 2)
 
 
 class FusionStack(nn.Module):
@@ -207,24 +209,6 @@ class FusionStack(nn.Module):
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
         self.blocks = nn.ModuleList(FusionBlock(dim, num_heads, **block_kwargs) for _ in range(depth))
-
-    @classmethod
-    def from_config(cls, config, *, self_attention: bool) -> "FusionStack":
-        """The stack a model config describes (``fusion_depth``, ``fusion_dim``, ``fusion_heads`` and
-        the block options of :class:`vlfuse.model.VLFuseConfig`), with or without self-attention."""
-        return cls(
-            config.fusion_depth,
-            config.fusion_dim,
-            config.fusion_heads,
-            mlp_ratio=config.mlp_ratio,
-            dropout=config.dropout,
-            attn_dropout=config.attn_dropout,
-            self_attention=self_attention,
-            gated=config.gated,
-            attention_normalizer=config.attention_normalizer,
-            output_gate=config.output_gate,
-            mlp_type=config.mlp_type,
-        )
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -271,17 +255,16 @@ class FusionStack(nn.Module):
             head_masks = [None] * len(self.blocks)
         elif len(head_masks) != len(self.blocks):
             raise ValueError(f"got head masks for {len(head_masks)} layers, the stack has {len(self.blocks)}")
-        wanted = set(weights_from)
         for block, kv, head_mask in zip(self.blocks, kvs, head_masks):
-            check_queries(x, block.cross_attn.dim, kv, block.cross_attn.num_heads, image_index)
-            check_head_mask(head_mask, x.shape[0], block.cross_attn.num_heads)
-        packing, groups = pack_queries(x, text_mask, image_index, kvs[0].batch_size)
-        tokens = packing.pack(x)  # (N, dim)
+            check_queries(x, block.cross_attn.dim, kv, block.cross_attn.num_heads, image_index, head_mask)
+        wanted = set(weights_from)
+        layout = PackedTokens.of(x, text_mask, image_index, kvs[0].batch_size)
+        tokens = layout.pack(x)  # (N, dim)
         weights: dict[int, torch.Tensor] = {}
         for i, (block, kv, head_mask) in enumerate(zip(self.blocks, kvs, head_masks)):
             tokens, layer_weights = block.forward_packed(
-                tokens, kv, packing, groups, need_weights=i in wanted, head_mask=per_token_head_mask(head_mask, packing)
+                tokens, kv, layout, need_weights=i in wanted, head_mask=layout.per_token(head_mask)
             )
             if layer_weights is not None:
-                weights[i] = unpack_weights(layer_weights, packing)
-        return packing.unpack(tokens, x), weights
+                weights[i] = unpack_weights(layer_weights, layout)
+        return layout.unpack(tokens, x), weights

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from vlfuse.layers.attention import CrossAttention, KeyMask, Normalizer, attention_core, softmax_normalize
+from vlfuse.layers.attention import KeyMask, Normalizer, SelfAttention, softmax_normalize
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -314,14 +314,14 @@ def local_self_attention(
 
 
 # ------------------------------------------------------------------------------ the layer
-class LocalSelfAttention(CrossAttention):
+class LocalSelfAttention(SelfAttention):
     """Multi-head self-attention of a sequence over itself, restricted to the pairs of a layout.
 
     For long inputs: a sliding window over text, a 2-D neighbourhood over image patches
-    (:func:`grid_neighbourhood`), a block-sparse layout. The projections, normaliser, output gate and
-    pruning are :class:`~vlfuse.layers.CrossAttention`'s, under the same parameter names: a
-    CrossAttention used as self-attention loads into it (``load_state_dict``), and it stands in
-    wherever one is called as ``attn(x, x, context_mask=padding)``, e.g. as a FusionBlock's ``self_attn``.
+    (:func:`grid_neighbourhood`), a block-sparse layout. A :class:`~vlfuse.layers.SelfAttention`
+    (the same parameters, options and call) whose queries see only the keys the layout allows: it
+    stands in wherever one is called as ``attn(x, mask=padding)``, e.g. as a FusionBlock's
+    ``self_attn``, and a SelfAttention's weights load into it (``load_state_dict``).
 
     Without a padding mask, with the softmax normaliser and without weights, a call runs
     :func:`local_self_attention` (compiled FlexAttention where it can: inference, no dropout).
@@ -333,7 +333,7 @@ class LocalSelfAttention(CrossAttention):
         dim: width of the tokens.
         num_heads: number of attention heads.
         layout: which (query, key) pairs may attend; inputs have ``layout.length`` tokens.
-        dropout, bias, normalizer, output_gate: as for :class:`~vlfuse.layers.CrossAttention`.
+        dropout, bias, normalizer, output_gate: as for :class:`~vlfuse.layers.SelfAttention`.
 
     Attributes:
         use_flex: ``use_flex`` of :func:`local_self_attention` (``None``: FlexAttention when it can).
@@ -355,42 +355,31 @@ class LocalSelfAttention(CrossAttention):
         self.use_flex: bool | None = None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor | None = None,
-        *,
-        context_mask: torch.Tensor | None = None,
-        need_weights: bool = False,
+        self, x: torch.Tensor, *, mask: torch.Tensor | None = None, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from each token of ``x`` to the tokens of ``x`` that the layout allows.
 
         Args:
             x: ``(B, L, dim)`` tokens, ``L = layout.length``.
-            context: ``None``, or ``x`` itself (the call of a CrossAttention used as self-attention).
-            context_mask: ``(B, L)`` bool, True for real (non-padding) tokens.
+            mask: ``(B, L)`` bool, True for real (non-padding) tokens.
             need_weights: also return the ``(B, H, L, L)`` weights (explicit path, dense mask).
 
         Returns:
             ``(B, L, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
-        if context is not None and context is not x:
-            raise ValueError("LocalSelfAttention attends within x: pass context=None (or x itself)")
         if x.dim() != 3 or x.shape[1] != self.layout.length:
             raise ValueError(f"x must be (batch, {self.layout.length}, {self.dim}) for {self.layout.name!r}, "
                              f"got shape {tuple(x.shape)}")
-        kv = self.project_context(x, context_mask)
-        q = self._split_heads(self.q_proj(x))  # (B, H, L, hd)
-        dropout_p = self.dropout if self.training else 0.0
-        if context_mask is None and self.normalize is softmax_normalize and not need_weights:
+        kv = self.project_context(x, mask)
+        if mask is None and self.normalize is softmax_normalize and not need_weights:
+            q = self.split_heads(self.q_proj(x))  # (B, H, L, hd)
+            dropout_p = self.dropout if self.training else 0.0
             out = local_self_attention(q, kv.key, kv.value, self.layout, dropout_p=dropout_p, use_flex=self.use_flex)
-            return self._merge_heads(out, x)
+            b, h, length, hd = out.shape
+            return self.project_out(out.transpose(1, 2).reshape(b, length, h * hd), x, None)  # from (B, L, H * hd)
         allowed = self.layout.dense(x.device)[None]  # (1, L, L)
-        key_mask = KeyMask(allowed if context_mask is None else allowed & context_mask[:, None, :])  # (B or 1, L, L)
-        out, weights = attention_core(
-            q, kv.key, kv.value, key_mask.attend, dropout_p=dropout_p, use_sdpa=self.use_sdpa,
-            need_weights=need_weights, normalize=self.normalize,
-        )
-        out, weights = key_mask.zero_empty(self._merge_heads(out, x), weights)
+        key_mask = KeyMask(allowed if mask is None else allowed & mask[:, None, :])  # (B or 1, L, L)
+        out, weights = self.attend(x, kv.key, kv.value, key_mask, need_weights=need_weights)
         return (out, weights) if need_weights else out
 
     def extra_repr(self) -> str:

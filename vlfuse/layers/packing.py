@@ -5,6 +5,7 @@ questions per image. The per-token work of a fusion block (norms, projections, g
 dropout) runs on the real tokens alone, packed to ``(N, dim)`` (:class:`TokenPacking`); attention
 runs once per image over the real tokens of all its questions, ``(Bc, Lg, ...)``
 (:class:`ContextGroups`), instead of over every question's padded rows side by side.
+:class:`PackedTokens` holds both: the one object a fusion stack hands down its blocks.
 """
 
 from __future__ import annotations
@@ -55,11 +56,6 @@ class TokenPacking:
         return flat.index_copy(0, self.index, tokens).view_as(padding)
 
 
-def per_token_head_mask(head_mask: torch.Tensor | None, packing: TokenPacking) -> torch.Tensor | None:
-    """A per-row head mask ``(B, H)`` as ``(N, H)``, one row per packed token; ``(H,)`` or ``None`` as given."""
-    return head_mask[packing.rows] if head_mask is not None and head_mask.dim() == 2 else head_mask
-
-
 class ContextGroups:
     """Packed tokens laid out by the context row (image) they attend to: ``(N, C) -> (Bc, Lg, C)``.
 
@@ -98,3 +94,39 @@ class ContextGroups:
         """``(Bc, Lg, C) -> (N, C)``."""
         flat = grouped.reshape(self.num_contexts * self.size, -1)
         return flat if self.in_place else flat.index_select(0, self.destination)
+
+
+class PackedTokens(TokenPacking):
+    """The real tokens of padded text rows, packed, and the image (context row) each token reads.
+
+    The one layout object a fusion stack hands down its blocks: per-token work runs on
+    :meth:`pack`'s ``(N, dim)``, self-attention on :meth:`to_rows` ``(B, L, dim)``, cross-attention on
+    :attr:`groups` (the tokens of each image together, ``(Bc, Lg, dim)``).
+
+    Args:
+        batch, length, mask, device: as for :class:`TokenPacking`.
+        image_index: ``(B,)`` the context row of each text row (default: row i reads context row i).
+        num_images: ``Bc``, the number of context rows.
+
+    Attributes:
+        groups: the packed tokens by context row (:class:`ContextGroups`).
+    """
+
+    def __init__(self, batch: int, length: int, mask: torch.Tensor | None, image_index: torch.Tensor | None,
+                 num_images: int, device=None) -> None:
+        super().__init__(batch, length, mask, device=device)
+        image_of_token = self.rows if image_index is None else image_index[self.rows]  # (N,)
+        self.groups = ContextGroups(image_of_token, num_images)
+
+    @classmethod
+    def of(cls, x: torch.Tensor, mask: torch.Tensor | None, image_index: torch.Tensor | None, num_images: int) -> "PackedTokens":
+        """The layout of text ``x`` ``(B, L, dim)`` with ``mask`` ``(B, L)`` (``None``: every token is real)."""
+        return cls(x.shape[0], x.shape[1], mask, image_index, num_images, device=x.device)
+
+    def to_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Packed ``(N, C)`` -> padded rows ``(B, L, C)``, zeros at padding positions."""
+        return self.unpack(tokens, tokens.new_zeros(self.batch, self.length, tokens.shape[-1]))
+
+    def per_token(self, head_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A per-row head mask ``(B, H)`` as ``(N, H)``, one row per packed token; ``(H,)`` or ``None`` as given."""
+        return head_mask[self.rows] if head_mask is not None and head_mask.dim() == 2 else head_mask

@@ -1,18 +1,19 @@
-"""The bilinear answer classifier: the pooled readout plus a small MLP over products of the pooled
-state's features."""
+"""The bilinear answer classifier: the pooled classifier plus a small MLP over products of the
+pooled state's features (the default head)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
 
-from vlfuse.readouts.base import register_readout
-from vlfuse.readouts.pool import PoolReadout
+from vlfuse.heads.base import HEADS
+from vlfuse.heads.pooled import PooledConfig, PooledHead
 
 PRODUCT_FEATURES = 32
-"""Hidden units of :class:`BilinearReadout`: each a learnt quadratic form of the pooled state."""
+"""Hidden units of :class:`BilinearHead`: each a learnt quadratic form of the pooled state."""
 
 
 class QuadraticForms(nn.Module):
@@ -34,11 +35,25 @@ class QuadraticForms(nn.Module):
         return (left.view(-1, count, dim) * h[:, None, :]).sum(-1)  # (B, count)
 
 
-@register_readout
-class BilinearReadout(PoolReadout):
-    """The ``pool`` classifier plus an MLP whose hidden units are quadratic forms of the pooled state.
+@HEADS.register
+@dataclass
+class BilinearConfig(PooledConfig):
+    """The bilinear classifier (``type: bilinear``, the default): any answer vocabulary.
 
-    With ``h`` the normalised mean of the fused question tokens (as in ``pool``)::
+    Attributes:
+        dropout: dropout on the pooled state, before both classifiers.
+    """
+
+    type: str = "bilinear"
+
+    def build(self, dim: int, answers: Sequence[str]) -> "BilinearHead":
+        return BilinearHead(dim, len(answers), dropout=self.dropout)
+
+
+class BilinearHead(PooledHead):
+    """The pooled classifier plus an MLP whose hidden units are quadratic forms of the pooled state.
+
+    With ``h`` the normalised mean of the fused question tokens (as in :class:`PooledHead`)::
 
         z = gelu(h^T P_k h + u_k . h + c_k)   for k = 1..32       (QuadraticForms + nn.Linear)
         scores = W h + b + V z
@@ -49,26 +64,23 @@ class BilinearReadout(PoolReadout):
     form neither. The fusion MLPs can, but must grow two random projections together from a start
     where their product is near 0, and on some seeds whole groups of yes/no questions then sit at
     their answer prior for many epochs (docs/results.md, "Why the yes/no groups stall"). Here each
-    product has one weight matrix ``P_k``, which starts at 0 (the model starts as ``pool`` plus a
-    small MLP of ``h``), and the hidden layer gives the exclusive-or.
+    product has one weight matrix ``P_k``, which starts at 0 (the model starts as the pooled head
+    plus a small MLP of ``h``), and the hidden layer gives the exclusive-or.
 
-    Selected by ``readout: bilinear``. Reads ``dropout`` besides the fusion options.
+    Args:
+        dim: width of the fused tokens.
+        num_answers: answers to score.
+        dropout: dropout on the pooled state.
     """
 
-    name = "bilinear"
-    format_v1_keys = {}
+    def __init__(self, dim: int, num_answers: int, *, dropout: float = 0.0) -> None:
+        super().__init__(dim, num_answers, dropout=dropout)
+        self.products = QuadraticForms(dim, PRODUCT_FEATURES)
+        self.linear_features = nn.Linear(dim, PRODUCT_FEATURES)
+        self.product_scores = nn.Linear(PRODUCT_FEATURES, num_answers)
 
-    def __init__(self, config, answers: Sequence[str], *, text_width: int, grid_size: tuple[int, int]) -> None:
-        super().__init__(config, answers, text_width=text_width, grid_size=grid_size)
-        d = config.fusion_dim
-        self.products = QuadraticForms(d, PRODUCT_FEATURES)
-        self.linear_features = nn.Linear(d, PRODUCT_FEATURES)
-        self.product_scores = nn.Linear(PRODUCT_FEATURES, len(answers))
-
-    def forward(
-        self, tokens: torch.Tensor, text_mask: torch.Tensor, image_context: Any = None, image_index=None
-    ) -> torch.Tensor:
+    def forward(self, fused: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
         norm, drop, linear = self.classifier
-        h = drop(norm(self.pool(tokens, text_mask)))  # (Bq, fusion_dim)
+        h = drop(norm(self.pool(fused, text_mask)))  # (Bq, dim)
         z = nn.functional.gelu(self.products(h) + self.linear_features(h))  # (Bq, PRODUCT_FEATURES)
         return linear(h) + self.product_scores(z)

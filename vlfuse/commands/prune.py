@@ -1,16 +1,15 @@
-"""``vlfuse prune``: score the fusion heads, remove the lowest for real, optionally fine-tune, save.
+"""``vlfuse prune``: score the attention heads, remove the lowest for real, optionally fine-tune, save.
 
     vlfuse prune --model runs/easy_vqa/model --config configs/easy_vqa.yaml --score gradient \\
         --fraction 0.5 --finetune-epochs 1 --out runs/easy_vqa/pruned
 
 Prints, side by side from one run: heads per layer, accuracy before and after, parameter counts
-and the CPU latency of the fusion stack and of the whole model before and after.
+and the CPU latency of the fuser and of the whole model before and after.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -35,55 +34,14 @@ from vlfuse.analysis.pruning import (
 )
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.data import IGNORE_INDEX
-from vlfuse.datamodules import VQADataModule
 from vlfuse.datamodules.base import SPLITS
-from vlfuse.lit import VLFuseLitModule
-from vlfuse.cli import SUBCOMMANDS
+from vlfuse.commands import SUBCOMMANDS
+from vlfuse.lit import finetune, lit_module_for
 from vlfuse.model import VLFuseModel
-from vlfuse.runtime import add_device_argument, add_threads_argument, lightning_accelerator, set_threads
+from vlfuse.runtime import add_device_argument, add_threads_argument, set_threads
 
 SCORES = ("weight_norm", "gradient", "ablation")
 """The :data:`~vlfuse.analysis.head_scores.HEAD_SCORES` that ``--score`` offers (weight norms per layer)."""
-
-
-# ------------------------------------------------------------------------------ fine-tuning
-def lit_module_for(model: VLFuseModel, config: dict, config_path: Path, lr: float | None) -> VLFuseLitModule:
-    """A :class:`VLFuseLitModule` that trains ``model`` itself, with the config's ``model:`` options.
-
-    ``lr`` replaces the config's ``model.lr`` (default: a tenth of it, as the model is trained).
-    """
-    options = {k: v for k, v in (config.get("model") or {}).items() if k != "architecture"}
-    try:
-        lit = VLFuseLitModule(architecture=model.config, **options)
-    except TypeError as err:
-        raise ValueError(f"{config_path}: bad model options {sorted(options)}: {err}") from err
-    lit.hparams.lr = lr if lr is not None else lit.hparams.lr / 10  # configure_optimizers reads it
-    lit.use_model(model)  # instead of building one in setup
-    return lit
-
-
-def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, device: str, root: Path) -> None:
-    """Train ``lit.model`` for ``epochs`` epochs on ``device`` on the training split (no validation, no checkpoints).
-
-    The datamodule labels the questions with its own vocabulary, so it must be the model's answers.
-    """
-    lit.configure_datamodule(datamodule)  # the model's image size
-    accelerator, devices = lightning_accelerator(device)
-    trainer = L.Trainer(
-        max_epochs=epochs,
-        accelerator=accelerator,
-        devices=devices,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=sys.stderr.isatty(),
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        default_root_dir=root,
-    )
-    lit.model.train()  # from_pretrained models come in eval mode, which Lightning keeps
-    trainer.fit(lit, datamodule=datamodule)
-    lit.model.cpu().eval()
 
 
 # ------------------------------------------------------------------------------------ report
@@ -99,7 +57,7 @@ def size_rows(model: VLFuseModel, pruned: VLFuseModel) -> list[tuple[str, str, s
              ", ".join(map(str, heads_per_layer(pruned))), f"{removed} pruned")]
     for name, before, after in (
         ("whole model", count_parameters(model), count_parameters(pruned)),
-        ("fusion stack", count_parameters(model.fusion), count_parameters(pruned.fusion)),
+        ("fuser", count_parameters(model.fuser), count_parameters(pruned.fuser)),
     ):
         rows.append((f"parameters, {name}", f"{before:,}", f"{after:,}", f"x{after / before:.3f}"))
     return rows
@@ -117,14 +75,14 @@ def accuracy_rows(split: str, questions: int, accuracies: dict[str, float]) -> l
 
 
 def latency_rows(model: VLFuseModel, pruned: VLFuseModel, batch: dict, repeats: int) -> list[tuple[str, str, str, str]]:
-    """CPU latency of the fusion stack and of the whole model, before and after, measured side by side."""
+    """CPU latency of the fuser and of the whole model, before and after, measured side by side."""
     latency = measure_latency({"before": model, "after": pruned}, batch, repeats=repeats)
     before, after = latency["before"], latency["after"]
     where = f"{len(batch['questions'])} questions, {len(batch['pixel_values'])} images"
     where += f", {torch.get_num_threads()} threads"
     fusion_speedup, model_speedup = speedup(before, after)
     return [
-        (f"latency, fusion stack ({where})", f"{before.fusion * 1e3:.2f} ms", f"{after.fusion * 1e3:.2f} ms",
+        (f"latency, fuser ({where})", f"{before.fusion * 1e3:.2f} ms", f"{after.fusion * 1e3:.2f} ms",
          f"{fusion_speedup:.2f}x faster"),
         (f"latency, whole model ({where})", f"{before.model * 1e3:.2f} ms", f"{after.model * 1e3:.2f} ms",
          f"{model_speedup:.2f}x faster"),

@@ -1,4 +1,6 @@
-"""The caption decoder: word and position embeddings, causal fusion blocks, a tied language-model head."""
+"""The caption decoder: word and position embeddings, causal fusion blocks, a tied language-model head.
+
+The head of :class:`~vlfuse.captioning.CaptionModel`: it writes words instead of scoring answers."""
 
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from vlfuse.cli import SUBCOMMANDS
-from vlfuse.predict import Predictor, read_pairs, write_rows
+from vlfuse.commands import SUBCOMMANDS
+from vlfuse.inference.captioner import Captioner
+from vlfuse.inference.jsonl import read_rows, write_rows
 from vlfuse.runtime import add_device_argument, add_threads_argument
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.output is not None and args.input is None:
         parser.error("--output goes with --input")
-    predictor = Predictor.from_pretrained(args.model, device=args.device, batch_size=args.batch_size, threads=args.threads)
+    captioner = Captioner.from_pretrained(args.model, device=args.device, batch_size=args.batch_size, threads=args.threads)
     options = {
         "beam_size": args.beam_size,
         "length_penalty": args.length_penalty,
@@ -58,15 +59,15 @@ def main(argv: list[str]) -> int:
         "attention_layers": args.attention_layers,
     }
     if args.image is not None:
-        [result] = predictor.caption([args.image], **options)
+        [result] = captioner.caption([args.image], **options)
         print(result["caption"])
         if "attention_maps" in result:
             print(f"vlfuse caption: wrote {len(result['attention_maps']['png'])} attention maps to {args.attention_maps}",
                   file=sys.stderr)
         return 0
-    rows = read_pairs(args.input, keys=("image",))
+    rows = read_rows(args.input, keys=("image",))
     readable = [row for row in rows if row.error is None]
-    results = predictor.caption(
+    results = captioner.caption(
         [row.image for row in readable], names=[f"line {row.line}" for row in readable], errors="report", **options
     )
     return write_rows(rows, iter(results), args.output, "vlfuse caption", "captioned", args.attention_maps)

@@ -1,18 +1,18 @@
-"""The cell-steps readout (a SHAPES experiment of issue 16, part 5): each cell of the patch grid
-holds one number, a soft "in the set", and reads the question one word at a time, last word first,
-through one shared 16-head fusion block."""
+"""The cell-steps reader: each cell of the patch grid holds one number, a soft "in the set", and reads
+the question one word at a time, last word first, through one shared 16-head fusion block."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Iterable, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlfuse.layers.fusion import FusionBlock
-from vlfuse.readouts.base import Readout, register_readout
-from vlfuse.readouts.map_program import ExistenceClassifier, check_word_existence_reader
+from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig
+from vlfuse.parts import EVIDENCE
+from vlfuse.layers import CrossAttention, FusionBlock
 
 GATE_BIAS = -1.0
 """Initial bias of the update gate (a gate of 0.27). What a question needs learnt first is a
@@ -22,8 +22,37 @@ answer prior for 6-7 epochs, or for good (docs/results.md). At 0, ten steps at a
 pass 1/1000 of the gradient back to the first word read."""
 
 
-@register_readout
-class CellStepsReadout(Readout):
+@FUSERS.register
+@dataclass
+class CellStepsConfig(FuserConfig):
+    """The cell-steps reader (``type: cell_steps``), for two-answer existence questions (SHAPES).
+
+    It reads the question's word embeddings (a from-scratch text encoder must have depth 0) and
+    gives the evidence that the question's set is not empty, for an existence head.
+
+    Attributes:
+        heads: heads of the shared fusion block's attentions and of each word's find.
+        mlp_ratio: hidden width of the block's MLP as a multiple of the fusion width.
+        mlp: the block's MLP: ``swiglu`` (products: "this cell is red" x "the question asks for
+            red") or ``gelu``.
+        output_gate: the block's attentions gate each head's output by the query.
+        dropout: dropout on the block's residual branches.
+    """
+
+    type: str = "cell_steps"
+    heads: int = 16
+    mlp_ratio: float = 2.0
+    mlp: Literal["gelu", "swiglu"] = "swiglu"
+    output_gate: bool = True
+    dropout: float = 0.0
+    reads_words = True
+    gives = EVIDENCE
+
+    def build(self, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> "CellStepsFuser":
+        return CellStepsFuser(self, dim, text_width=text_width, grid_size=grid_size)
+
+
+class CellStepsFuser(Fuser):
     """A one-number state per grid cell, updated by every word with the same fusion block.
 
     The state is ``log m``, ``m`` in (0, 1] a soft set of cells, full at the start. For each
@@ -39,47 +68,52 @@ class CellStepsReadout(Readout):
       scores add directly too;
     - ``m <- (1 - g) m + g c``, in log space.
 
-    The answer comes from the set's soft size, ``log sum_c m_c``, with a fixed-scale existence
-    head. Only one number per cell passes from a word to the next, so the state cannot carry the
-    question it came from, as a wide state can; the same weights act at every step, as a
-    module of a neural module network does. Word embeddings only (no position, no context).
+    It gives the set's soft size, ``log sum_c m_c``, to an existence head. Only one number per
+    cell passes from a word to the next, so the state cannot carry the question it came from, as a
+    wide state can; the same weights act at every step, as a module of a neural module network
+    does. Word embeddings only (no position, no context).
+
+    Its one attention layer (:attr:`attention_layers`) is the shared block's cross-attention: a
+    head mask or pruning acts on it at every word step, and its weights for word t are the mean,
+    over the cells, of the cells' attention while they read word t: ``(Bq, H, Lt, Li)``, 0 at padding.
+
+    Args:
+        config: its options.
+        dim: the fusion width.
+        text_width: the width of the word embeddings.
+        grid_size: ``(rows, cols)`` of the patch grid.
     """
 
-    name = "cell_steps"
-    reads_fusion = False
-    options = ("fusion_heads", "mlp_ratio", "mlp_type", "output_gate", "dropout")
-
-    def __init__(self, config, answers: Sequence[str], *, text_width: int, grid_size: tuple[int, int]) -> None:
-        super().__init__(config, answers, text_width=text_width, grid_size=grid_size)
-        d, self.heads = config.fusion_dim, config.fusion_heads
+    def __init__(self, config: CellStepsConfig, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> None:
+        super().__init__()
+        d, self.heads = dim, config.heads
         self.grid_size = tuple(grid_size)
         self.word_norm = nn.LayerNorm(text_width)
         self.cell_position = nn.Parameter(torch.randn(1, grid_size[0] * grid_size[1], d) * 0.02)
         self.state_in = nn.Linear(9, d)  # the cell's and its eight neighbours' m
         self.step = FusionBlock(d, self.heads, mlp_ratio=config.mlp_ratio, dropout=config.dropout,
                                 self_attention=True, gated=False, output_gate=config.output_gate,
-                                mlp_type=config.mlp_type)
+                                mlp_layer=config.mlp)
         self.norm_out = nn.LayerNorm(d)
         self.state_out = nn.Linear(d, 2)  # update gate and candidate logits
         with torch.no_grad():
             self.state_out.bias[0].fill_(GATE_BIAS)
-        self.existence = ExistenceClassifier()
         self.find_query = nn.Linear(d, d)
         self.find_key = nn.Linear(d, d)
         self.head_norm = nn.LayerNorm(d // self.heads)  # QK-norm, per head
         self.find_out = nn.Linear(self.heads, 2)
         self.find_in = nn.Linear(self.heads, d)  # the cells see the image only through the word's finds
 
-    @classmethod
-    def check(cls, config, answers: Sequence[str]) -> None:
-        check_word_existence_reader(cls.name, config, answers)
+    @property
+    def attention_layers(self) -> list[CrossAttention]:
+        return [self.step.cross_attn]
 
     def question_features(self, text_encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The word embeddings ``(Bq, Lt, text width)``, layer-normalised."""
         return self.word_norm(text_encoder.embed_words(input_ids))
 
     def image_context(self, image_tokens: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
-        """The patch tokens ``(Bi, cells, fusion_dim)``, without prefix tokens."""
+        """The patch tokens ``(Bi, cells, dim)``, without prefix tokens."""
         return image_tokens[:, num_prefix_tokens:]
 
     def _neighbourhood(self, m: torch.Tensor) -> torch.Tensor:
@@ -93,16 +127,33 @@ class CellStepsReadout(Readout):
         k = self.head_norm(self.find_key(patches).unflatten(-1, (self.heads, -1)))  # (Bq, cells, H, dh)
         return torch.einsum("bthe,bche->btch", q, k) / q.shape[-1] ** 0.5
 
-    def forward(self, tokens, text_mask, image_context, image_index=None) -> torch.Tensor:
+    def forward(
+        self,
+        text: torch.Tensor,
+        text_mask: torch.Tensor,
+        image_context: torch.Tensor,
+        image_index: torch.Tensor | None = None,
+        *,
+        head_masks: Sequence[torch.Tensor | None] | None = None,
+        weights_from: Iterable[int] = (),
+    ) -> Fused:
+        head_mask = None if head_masks is None else head_masks[0]
+        draw = 0 in set(weights_from)
         patches = image_context if image_index is None else image_context[image_index]  # (Bq, cells, d)
-        scores = self._finds(tokens, patches)  # (Bq, Lt, cells, H)
+        scores = self._finds(text, patches)  # (Bq, Lt, cells, H)
         finds = self.find_out(scores)  # (Bq, Lt, cells, 2)
         log_m = patches.new_zeros(patches.shape[:2])  # (Bq, cells): log 1, every cell
-        for t in range(tokens.shape[1] - 1, -1, -1):
-            word = tokens[:, t, None, :]  # (Bq, 1, d)
+        drawn = []
+        for t in range(text.shape[1] - 1, -1, -1):
+            word = text[:, t, None, :]  # (Bq, 1, d)
             base = self.cell_position + self.find_in(scores[:, t])
             x = (base + self.state_in(self._neighbourhood(log_m.exp()))) * (1 + word) + word
-            gate, candidate = (self.state_out(self.norm_out(self.step(x, patches))) + finds[:, t]).unbind(-1)
+            stepped_cells = self.step(x, patches, need_weights=draw, head_mask=head_mask)
+            if draw:
+                stepped_cells, weights = stepped_cells  # weights (Bq, H, cells, Li)
+                drawn.append(weights.mean(2) * text_mask[:, t, None, None])  # (Bq, H, Li), 0 at padding
+            gate, candidate = (self.state_out(self.norm_out(stepped_cells)) + finds[:, t]).unbind(-1)
             stepped = torch.logaddexp(F.logsigmoid(-gate) + log_m, F.logsigmoid(gate) + F.logsigmoid(candidate))
             log_m = torch.where(text_mask[:, t, None], stepped, log_m)  # padding leaves it
-        return self.existence(torch.logsumexp(log_m, dim=1))  # (Bq, 2)
+        attentions = {0: torch.stack(drawn[::-1], dim=2)} if draw else {}  # (Bq, H, Lt, Li)
+        return Fused(torch.logsumexp(log_m, dim=1), attentions)  # evidence (Bq,)

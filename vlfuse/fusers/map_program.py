@@ -1,20 +1,22 @@
-"""The map-program readout: run a question's words, right to left, as operations on a soft set of patches.
+"""The map-program reader: run a question's words, right to left, as operations on a soft set of patches.
 
-:class:`MapProgramReader` is the program runner, :class:`ExistenceClassifier` turns its evidence
-into two answer scores and :class:`MapProgramReadout` is the readout part that puts them together.
+:class:`MapProgramReader` is the program runner and :class:`MapProgramFuser` the fuser that puts it
+between the model's encoders and its existence head (``fuser: {type: map_program}``, with
+``head: {type: existence}``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlfuse.readouts.base import Readout, register_readout
+from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig
+from vlfuse.parts import EVIDENCE
 
 OPERATIONS = ("keep", "intersect", "move")
 
@@ -165,63 +167,43 @@ class MapProgramReader(nn.Module):
         return evidence
 
 
-def check_word_existence_reader(name: str, config, answers: Sequence[str]) -> None:
-    """The checks of a readout that reads word embeddings and answers existence: a from-scratch
-    text encoder of depth 0 (its layers would go unused) and two answers."""
-    if config.text.name is None and config.text.depth != 0:
-        raise ValueError(
-            f"readout '{name}' reads the question's word embeddings, not the encoder's layers: "
-            f"set text.depth to 0 for a from-scratch text encoder (got {config.text.depth})"
-        )
-    if len(answers) != 2:
-        raise ValueError(f"readout '{name}' answers existence questions with two answers (e.g. false/true), got {len(answers)}")
+@FUSERS.register
+@dataclass
+class MapProgramConfig(FuserConfig):
+    """The map-program reader (``type: map_program``): no options besides the model's width and the patch grid.
 
-
-class ExistenceClassifier(nn.Module):
-    """Two answer scores from the reader's evidence: ``[0, evidence + bias]``.
-
-    The second answer of the vocabulary (``true`` of false/true, ``yes`` of no/yes) means "the set
-    is not empty". The evidence enters with a fixed scale of 1: a learnt scale can shrink to 0
-    while the evidence is still uninformative early in training, after which nothing upstream
-    receives a gradient (seen on SHAPES: training stuck at the majority answer).
+    It reads the question's word embeddings (a from-scratch text encoder must have depth 0) and
+    gives the evidence that the question's set is not empty, for a two-answer existence head.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.bias = nn.Parameter(torch.zeros(1))
+    type: str = "map_program"
+    reads_words = True
+    gives = EVIDENCE
 
-    def forward(self, evidence: torch.Tensor) -> torch.Tensor:
-        """``(B,)`` evidence -> ``(B, 2)`` answer scores."""
-        return torch.stack([torch.zeros_like(evidence), evidence + self.bias], dim=-1)
+    def build(self, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> "MapProgramFuser":
+        return MapProgramFuser(dim, text_width=text_width, grid_size=grid_size)
 
 
-@register_readout
-class MapProgramReadout(Readout):
+class MapProgramFuser(Fuser):
     """Two-answer existence questions (SHAPES): the question's words run as a program over the patches.
 
-    Selected by ``readout: map_program``. It reads the question's word embeddings (layer-normalised,
-    then projected by the model's ``text_proj``: no position, no context) with a
-    :class:`MapProgramReader` over the image's patch tokens (prefix tokens such as CLS left out), and
-    scores the answers with an :class:`ExistenceClassifier`. It has no fusion blocks
-    (``fusion_depth`` 0) and needs two answers (false/true, no/yes) and, for a from-scratch text
-    encoder, ``text.depth`` 0 (the encoder's layers would go unused).
+    It reads the question's word embeddings (layer-normalised, then projected by the model's
+    ``text_proj``: no position, no context) with a :class:`MapProgramReader` over the image's patch
+    tokens (prefix tokens such as CLS left out), and gives the reader's evidence. It has no
+    cross-attention heads.
+
+    Args:
+        dim: the width of the question and image tokens.
+        text_width: the width of the word embeddings.
+        grid_size: ``(rows, cols)`` of the patch grid.
     """
 
-    name = "map_program"
-    reads_fusion = False
-    format_v1_keys = {"reader.": "readout.reader.", "word_norm.": "readout.word_norm.", "head.": "readout.existence."}
-
-    def __init__(self, config, answers: Sequence[str], *, text_width: int, grid_size: tuple[int, int]) -> None:
-        super().__init__(config, answers, text_width=text_width, grid_size=grid_size)
+    def __init__(self, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> None:
+        super().__init__()
         # word embeddings start tiny (std 0.02), under text_proj's bias: normalise them first,
         # or every word reaches the reader as nearly the same vector
         self.word_norm = nn.LayerNorm(text_width)
-        self.reader = MapProgramReader(config.fusion_dim, grid_size)
-        self.existence = ExistenceClassifier()
-
-    @classmethod
-    def check(cls, config, answers: Sequence[str]) -> None:
-        check_word_existence_reader(cls.name, config, answers)
+        self.reader = MapProgramReader(dim, grid_size)
 
     def question_features(self, text_encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The word embeddings ``(Bq, Lt, text width)``, layer-normalised."""
@@ -231,6 +213,13 @@ class MapProgramReadout(Readout):
         return self.reader.project_context(image_tokens[:, num_prefix_tokens:])
 
     def forward(
-        self, tokens: torch.Tensor, text_mask: torch.Tensor, image_context: PatchKeys, image_index=None
-    ) -> torch.Tensor:
-        return self.existence(self.reader(tokens, text_mask, image_context, image_index))  # (Bq, 2)
+        self,
+        text: torch.Tensor,
+        text_mask: torch.Tensor,
+        image_context: PatchKeys,
+        image_index: torch.Tensor | None = None,
+        *,
+        head_masks: Sequence[torch.Tensor | None] | None = None,
+        weights_from: Iterable[int] = (),
+    ) -> Fused:
+        return Fused(self.reader(text, text_mask, image_context, image_index), {})  # evidence (Bq,)

@@ -18,13 +18,12 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vlfuse.captioning.lit import CaptionLitModule
-from vlfuse.cli import SUBCOMMANDS as COMMANDS
+from vlfuse.commands import LIGHTNING, SUBCOMMANDS
 from vlfuse.datamodules import VQADataModule
 from vlfuse.lit import ExportBestModel, VLFuseLitModule
 from vlfuse.resume import SIGTERM_EXIT_CODE, BestAndLastCheckpoint, ResumeTraining, default_checkpoint_dir
 from vlfuse.runtime import set_threads
 
-SUBCOMMANDS = ("fit", "validate", "test")
 
 
 def smoke_run_dir(default_root_dir: str | None) -> str:
@@ -39,7 +38,7 @@ class VLFuseCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         """Lightning's ``fit``, ``validate`` and ``test``; ``vlfuse predict`` is vlfuse's own."""
-        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMANDS}
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in LIGHTNING}
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(BestAndLastCheckpoint, "checkpoint")
@@ -122,7 +121,7 @@ def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
     Raises:
         argparse.ArgumentError: a mistake in the arguments or the config (the usage is not printed).
     """
-    own = {name: {"exit_on_error": False, "description": COMMANDS[name].description} for name in SUBCOMMANDS}
+    own = {name: {"exit_on_error": False, "description": SUBCOMMANDS[name].description} for name in LIGHTNING}
     caption = names_caption_model(sys.argv[1:] if args is None else args)
     return VLFuseCLI(
         CaptionLitModule if caption else VLFuseLitModule,

@@ -1,0 +1,57 @@
+"""The subcommands of ``vlfuse``: where each one's ``main(argv) -> int`` lives, and what it does.
+
+This package holds one module per subcommand (imported only when it runs) and, here, only their
+names and descriptions, which the dispatcher (:mod:`vlfuse.cli`) and each command's own help read:
+it imports nothing, so ``vlfuse --help`` loads neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Subcommand(NamedTuple):
+    """Where a subcommand's ``main(argv) -> int`` lives, and what it does."""
+
+    module: str
+    description: str
+
+
+SUBCOMMANDS = {
+    "fit": Subcommand(
+        "vlfuse.commands.lightning",
+        "Train a model on a config's data (vlfuse fit --config configs/easy_vqa.yaml); export the best "
+        "checkpoint's model to <trainer.default_root_dir>/model and, with test_after_fit, print its test accuracy.",
+    ),
+    "validate": Subcommand(
+        "vlfuse.commands.lightning",
+        "Evaluate a checkpoint (--ckpt_path) or a saved model (--model.pretrained DIR) on the validation split.",
+    ),
+    "test": Subcommand(
+        "vlfuse.commands.lightning",
+        "Evaluate a checkpoint (--ckpt_path) or a saved model (--model.pretrained DIR) on the test split and "
+        "print its accuracy.",
+    ),
+    "predict": Subcommand(
+        "vlfuse.commands.predict",
+        "Answer questions about images with a saved model: one pair (--image, --question) or a JSONL file "
+        "(--input); optionally draw attention maps.",
+    ),
+    "caption": Subcommand(
+        "vlfuse.commands.caption",
+        "Describe images with a saved caption model: one image (--image) or a JSONL file (--input); greedy or "
+        "beam search; optionally draw each head's attention for every generated word.",
+    ),
+    "analyze": Subcommand(
+        "vlfuse.commands.analyze",
+        "Report what each attention head of a saved model does: statistics, dead heads, roles, importance "
+        "scores and pruning curves, as OUT/report.md with figures.",
+    ),
+    "prune": Subcommand(
+        "vlfuse.commands.prune",
+        "Score the attention heads of a saved model, remove the lowest-scored ones for real, optionally "
+        "fine-tune, and save the smaller model.",
+    ),
+}
+LIGHTNING = ("fit", "validate", "test")
+"""The subcommands whose ``main`` takes the whole command line (Lightning parses the subcommand itself)."""
