@@ -61,39 +61,46 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
-def tiny_config(**overrides) -> VLFuseConfig:
-    """A model small enough to train in seconds: widths 32, one layer each, 16 fusion heads."""
-    fields = dict(
+TINY_FUSER = dict(type="fusion_stack", depth=2, heads=16, mlp="gelu", output_gate=False, self_attention=True, gated=True)
+"""The fuser of :func:`tiny_config`: every part of a fusion block switched on (self-attention, gates)."""
+
+
+def tiny_config(*, fuser: dict | None = None, head: dict | None = None, **fields) -> VLFuseConfig:
+    """A model small enough to train in seconds: widths 32, one layer each, 2 fusion blocks of 16 heads
+    (:data:`TINY_FUSER`) and the pooled head. ``fuser`` and ``head`` options are added to these (a
+    ``fuser`` of another ``type`` replaces them); ``fields`` are :class:`VLFuseConfig`'s."""
+    fuser = dict(fuser or {})
+    if fuser.get("type", "fusion_stack") == "fusion_stack":
+        fuser = {**TINY_FUSER, **fuser}
+    settings = dict(
         image=ImageEncoderConfig(image_size=32, patch_size=8, width=32, depth=1, num_heads=2),
         text=TextEncoderConfig(width=32, depth=1, num_heads=2, max_length=16),
         fusion_dim=32,
-        fusion_depth=2,
-        fusion_heads=16,
-        dropout=0.0,
+        fuser=fuser,
+        head={"type": "pooled", **(head or {})},
     )
-    fields.update(overrides)
-    return VLFuseConfig(**fields)
+    settings.update(fields)
+    return VLFuseConfig(**settings)
 
 
-def reader_config(**overrides) -> VLFuseConfig:
-    """:func:`tiny_config` with a readout that reads word embeddings (``map_program`` unless
-    ``readout`` says another): no fusion blocks, text depth 0."""
-    settings = dict(
+def reader_config(fuser: str = "map_program", **fuser_options) -> VLFuseConfig:
+    """:func:`tiny_config` with a fuser that reads word embeddings (``map_program`` or ``cell_steps``)
+    and the existence head: text depth 0."""
+    return tiny_config(
         text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=16),
-        fusion_depth=0,
-        readout="map_program",
-        dropout=VLFuseConfig.dropout,  # the reader has no dropout: tiny_config's 0.0 would be refused
+        fuser={"type": fuser, **fuser_options},
+        head={"type": "existence"},
     )
-    return tiny_config(**{**settings, **overrides})
 
 
 def tiny_overrides(limit_images: int = 8, *, map_program: bool = False) -> list[str]:
     """Command-line overrides that shrink any config to a tiny model on a few images, quietly.
 
-    ``map_program``: the config's readout reads no fusion blocks (as ``map_program``): text and
-    fusion depth 0.
+    ``map_program``: the config's fuser reads word embeddings (``map_program``): text depth 0 and
+    the fuser left as the config has it; otherwise one fusion block.
     """
     depth = 0 if map_program else 1
+    fuser = [] if map_program else ["--model.architecture.fuser.depth=1"]
     return [
         "--model.architecture.image.image_size=32",
         "--model.architecture.image.patch_size=8",
@@ -104,7 +111,7 @@ def tiny_overrides(limit_images: int = 8, *, map_program: bool = False) -> list[
         f"--model.architecture.text.depth={depth}",
         "--model.architecture.text.num_heads=2",
         "--model.architecture.fusion_dim=32",
-        f"--model.architecture.fusion_depth={depth}",
+        *fuser,
         f"--data.init_args.limit_images={limit_images}",
         "--data.init_args.batch_size=4",
         "--data.init_args.num_workers=0",
@@ -158,9 +165,8 @@ def tiny() -> VLFuseConfig:
 
 def logits(model: VLFuseModel, batch: dict, **kwargs) -> torch.Tensor:
     """The model's logits on a :func:`~vlfuse.data.collate_grouped` batch; ``kwargs`` go to ``forward``."""
-    pixels = batch["pixel_values"].to(next(model.parameters()).dtype)
-    tokens = model.tokenize(batch["questions"])
-    return model(pixels, **tokens, image_index=batch["image_index"], **kwargs).logits
+    inputs = model.processor.batch(batch, dtype=next(model.parameters()).dtype)
+    return model(**inputs, **kwargs).logits
 
 
 def parameters_without_gradient(model: torch.nn.Module) -> list[str]:
@@ -193,7 +199,8 @@ def toy_batch(n_images: int = 4, size: int = 32, seed: int = 0) -> tuple[list[Im
 
 
 def make_model(**overrides) -> tuple[VLFuseModel, dict]:
-    """A tiny model (``tiny_config(**overrides)``) over :data:`COLOUR_ANSWERS` and a :func:`toy_batch`."""
+    """A tiny model (``tiny_config(**overrides)``: ``fuser=``, ``head=`` and config fields) over
+    :data:`COLOUR_ANSWERS` and a :func:`toy_batch`."""
     torch.manual_seed(0)
     records, batch = toy_batch()
     questions = [q for r in records for q in r.questions]
@@ -226,7 +233,7 @@ def make_batches(seed: int = 1) -> list[dict]:
 def model() -> VLFuseModel:
     """Tiny, untrained and ungated (so that every cross-attention head changes the answer scores), in eval mode."""
     torch.manual_seed(0)
-    return VLFuseModel.from_config(tiny_config(gated=False), SCORED_ANSWERS, SCORED_QUESTIONS).eval()
+    return VLFuseModel.from_config(tiny_config(fuser={"gated": False}), SCORED_ANSWERS, SCORED_QUESTIONS).eval()
 
 
 @pytest.fixture(scope="module")
