@@ -53,7 +53,7 @@ SKIPPED = {
 }
 """``{pattern: reason}``: command lines that cannot run here."""
 
-TINY_TRAINING = ["--trainer.max_epochs=1", "--model.architecture.fusion_depth=2"]
+TINY_TRAINING = ["--trainer.max_epochs=1", "--model.architecture.fuser.depth=2"]
 """After :func:`conftest.tiny_overrides`: one epoch, and 2 fusion layers (the examples prune layers 0 and 1)."""
 SHRINK = [
     # (pattern of the command, arguments to add, where: "end" or "after" the matched text)
@@ -132,8 +132,8 @@ def tiny_training(line: str) -> list[str]:
     model = yaml.safe_load((REPO / config.group(1)).read_text())["model"]
     if model.get("class_path", "").startswith("vlfuse.captioning"):
         return tiny_caption_overrides()
-    readout = model["architecture"].get("readout")
-    if readout == "map_program":
+    fuser = model["architecture"].get("fuser", {}).get("type")
+    if fuser in ("map_program", "cell_steps"):  # word-reading fusers: text depth 0, the fuser as configured
         return tiny_overrides(map_program=True) + ["--trainer.max_epochs=1"]
     epochs = ["--trainer.max_epochs=2"] if "--ckpt_path" in line else []
     return tiny_overrides() + TINY_TRAINING + epochs
@@ -233,7 +233,7 @@ def test_every_document_has_examples_and_the_rules_apply():
     assert rewrite("bash scripts/setup_env.sh && .venv/bin/python -m pytest -q") is None
     assert rewrite(".venv/bin/vlfuse fit --help") == ".venv/bin/vlfuse fit --help"
     resumed = rewrite("vlfuse fit --config configs/easy_vqa.yaml --ckpt_path last")
-    assert resumed.endswith("--trainer.max_epochs=1 --model.architecture.fusion_depth=2 --trainer.max_epochs=2")
+    assert resumed.endswith("--trainer.max_epochs=1 --model.architecture.fuser.depth=2 --trainer.max_epochs=2")
 
 
 @pytest.mark.parametrize("block", BLOCK_CASES)

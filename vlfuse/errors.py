@@ -37,6 +37,36 @@ MISSING_METRIC = {
 """Lightning's errors for a callback's monitor that names no logged metric: the monitor and the logged names."""
 
 
+MOVED_OPTIONS = {
+    "fusion_depth": "fuser.depth",
+    "fusion_heads": "fuser.heads",
+    "mlp_ratio": "fuser.mlp_ratio",
+    "mlp_type": "fuser.mlp",
+    "dropout": "fuser.dropout and head.dropout",
+    "attn_dropout": "fuser.attn_dropout",
+    "text_self_attention": "fuser.self_attention",
+    "gated": "fuser.gated",
+    "attention_normalizer": "fuser.normalizer",
+    "diversity_weight": "fuser.diversity_weight",
+    "output_gate": "fuser.output_gate",
+    "readout": "head.type (pool: pooled; bilinear), or fuser.type map_program or cell_steps with head.type existence",
+}
+"""The flat model options of configs written before the model became parts (issue 30), and where each went."""
+
+
+def moved_option(message: str) -> str | None:
+    """The line for a config that sets a flat model option of before issue 30 (``model.architecture.fusion_depth``),
+    saying where it went; ``None`` for another message."""
+    match = re.search(r"architecture\.(\w+)", message)
+    if match is None or match.group(1) not in MOVED_OPTIONS:
+        return None
+    name = match.group(1)
+    return (
+        f"model.architecture.{name} is an option of the model's parts now: model.architecture.{MOVED_OPTIONS[name]} "
+        "(docs/training.md#the-models-options)"
+    )
+
+
 def unwrap_union(err: BaseException) -> BaseException:
     """The error inside a jsonargparse Union dump (e.g. ``batch_size must be at least 1`` raised by
     the class that the dump tried to build); ``err`` itself when it is not a dump, or when the
@@ -115,6 +145,8 @@ def error_line(err: BaseException, subcommand: str) -> str | None:
     if isinstance(inner, ImportError) and "tensorboard" in message:
         return TENSORBOARD_MISSING
     if line := missing_metric(message):
+        return line
+    if line := moved_option(message):
         return line
     if inner is not err:
         return first_line(inner)

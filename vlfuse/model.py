@@ -13,6 +13,7 @@ from transformers import AutoConfig
 
 from vlfuse import model_io
 from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, TextEncoder, TextEncoderConfig, build_word_tokenizer, load_tokenizer, scratch_config
+from vlfuse.errors import MOVED_OPTIONS
 from vlfuse.fusers import FUSERS, FuserConfig
 from vlfuse.heads import HEADS, HeadConfig
 from vlfuse.layers import CrossAttention
@@ -80,8 +81,8 @@ class VLFuseConfig:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
-            moved = [name for name in unknown if name in model_io.FLAT_FIELDS]
-            hint = f" ({', '.join(moved)}: options of the fuser or the head now, see docs/training.md)" if moved else ""
+            moved = [f"{name} -> {MOVED_OPTIONS[name]}" for name in unknown if name in MOVED_OPTIONS]
+            hint = f" (options of the parts now: {'; '.join(moved)})" if moved else ""
             raise ValueError(f"unknown model config keys: {unknown}{hint}")
         image = ImageEncoderConfig(**data.pop("image", {}))
         text = TextEncoderConfig(**data.pop("text", {}))

@@ -50,9 +50,6 @@ FORMAT_2_DEFAULTS: dict[str, Any] = {
 }
 """The flat architecture of formats 1 and 2 with its defaults then (a field a file lacks took these)."""
 
-FLAT_FIELDS = tuple(name for name in FORMAT_2_DEFAULTS if name not in ("fusion_dim", "pruned_heads"))
-"""The flat fields that became the options of a fuser or a head in format 3."""
-
 FORMAT_1_KEYS = {
     "pool": {"head.": "readout.classifier."},
     "map_program": {"reader.": "readout.reader.", "word_norm.": "readout.word_norm.", "head.": "readout.existence."},
