@@ -18,7 +18,8 @@ from vlfuse.captioning.model import CaptionModel, is_caption_model
 from vlfuse.data import ImageLoadError, ImageSource
 from vlfuse.inference.attention_maps import CaptionAttentionWriter
 from vlfuse.inference.predictor import ERROR_POLICIES
-from vlfuse.runtime import DEFAULT_DEVICE, DEFAULT_THREADS, check_threads, using_threads
+from vlfuse.inference.runner import ModelRunner
+from vlfuse.runtime import DEFAULT_DEVICE, DEFAULT_THREADS, using_threads
 
 
 @dataclass
@@ -50,7 +51,7 @@ class CaptionOptions:
         )
 
 
-class Captioner:
+class Captioner(ModelRunner):
     """Writes captions for images with a :class:`~vlfuse.captioning.CaptionModel`.
 
     Args:
@@ -58,28 +59,12 @@ class Captioner:
         device: where to run, e.g. ``"cpu"`` or ``"cuda"``.
         batch_size: images per forward pass.
         threads: torch's CPU threads during :meth:`caption` (restored after it); ``None`` leaves
-            torch's setting. The default, 1, stays fast when other processes share the cores.
+            torch's setting (see :class:`~vlfuse.inference.runner.ModelRunner`).
 
     Example:
         >>> captioner = Captioner.from_pretrained("runs/shapes_captions/model")
         >>> captioner.caption(["scene.png"], beam_size=3)
     """
-
-    def __init__(
-        self,
-        model: CaptionModel,
-        *,
-        device: str | torch.device = DEFAULT_DEVICE,
-        batch_size: int = 64,
-        threads: int | None = DEFAULT_THREADS,
-    ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        check_threads(threads, "threads")
-        self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
-        self.batch_size = batch_size
-        self.threads = threads
 
     @classmethod
     def from_pretrained(

@@ -24,7 +24,8 @@ from vlfuse.data import ImageLoadError, ImageSource
 from vlfuse.inference.attention_maps import QuestionAttentionWriter
 from vlfuse.model import ImageContext, VLFuseModel
 from vlfuse.processor import image_key
-from vlfuse.runtime import DEFAULT_DEVICE, DEFAULT_THREADS, check_threads, using_threads
+from vlfuse.inference.runner import ModelRunner
+from vlfuse.runtime import DEFAULT_DEVICE, DEFAULT_THREADS, using_threads
 
 ERROR_POLICIES = ("raise", "report")
 PROGRESS_MIN_PAIRS = 256
@@ -56,7 +57,7 @@ class _EncodedImage:
     context: ImageContext
 
 
-class Predictor:
+class Predictor(ModelRunner):
     """Answers questions about images with a :class:`~vlfuse.model.VLFuseModel`.
 
     Args:
@@ -84,14 +85,8 @@ class Predictor:
         cache_images: bool = True,
         threads: int | None = DEFAULT_THREADS,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        check_threads(threads, "threads")
-        self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
-        self.batch_size = batch_size
+        super().__init__(model, device=device, batch_size=batch_size, threads=threads)
         self.cache_images = cache_images
-        self.threads = threads
 
     @classmethod
     def from_pretrained(
