@@ -2,6 +2,7 @@
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,13 +12,40 @@ from vlfuse.analysis.report import rank, spearman
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules import EasyVQADataModule
+from vlfuse.datamodules.shapes import find_shapes_dir
 from vlfuse.model import VLFuseModel
 
-from conftest import REPO, SHARED, tiny_config
+from conftest import REPO, SHARED, reader_config, tiny_cli_args, tiny_config
 
 EASY_VQA = REPO / "configs" / "easy_vqa.yaml"
 SHAPES = REPO / "configs" / "shapes_pool.yaml"  # a model with fusion heads to analyse
 PRUNED = {0: [1, 5]}  # layer 0 keeps 14 of its 16 heads
+SHAPES_FUSION = REPO / "configs" / "shapes_fusion.yaml"  # the cell_steps fuser: one layer of 16 heads
+ROLES = {"sink", "global", "object", "local", "mixed"}
+
+
+def shapes_data_found() -> bool:
+    """Whether the SHAPES datamodule finds the released files by itself (as ``vlfuse fit`` would)."""
+    try:
+        find_shapes_dir()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+needs_shapes = pytest.mark.skipif(not shapes_data_found(), reason="SHAPES data folder not found")
+
+
+def fit_shapes_fusion(root: Path) -> Path:
+    """``vlfuse fit --config configs/shapes_fusion.yaml``, tiny (conftest's overrides for a word
+    reader) and short (2 training batches, 2 images per question): the exported model's folder."""
+    args = [
+        "fit", "--config", str(SHAPES_FUSION), *tiny_cli_args(root, map_program=True),
+        "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+        "--data.init_args.images_per_question=2",
+    ]
+    assert vlfuse_main(args) == 0
+    return root / "model"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,7 +56,7 @@ def model_dir(tmp_path_factory):
     """A tiny untrained easy-VQA model (ungated, so the image matters), with two heads of layer 0 pruned."""
     torch.manual_seed(0)
     data = EasyVQADataModule(limit_images=8)
-    model = VLFuseModel.from_config(tiny_config(gated=False), data.answers, data.train_questions)
+    model = VLFuseModel.from_config(tiny_config(fuser={"gated": False}), data.answers, data.train_questions)
     model.prune_heads(PRUNED)
     return model.save_pretrained(tmp_path_factory.mktemp("model") / "tiny")
 
@@ -67,7 +95,7 @@ def test_report_on_a_tiny_model_has_every_head_figure_and_score(model_dir, tmp_p
     assert [int(row[0]) for row in layer1] == list(range(16))
     assert "Pruned heads: 1, 5." in layers["Layer 0"]
     for row in layer0 + layer1:
-        assert 0.0 <= float(row[1]) <= 1.0 and row[-1] in {"sink", "global", "object", "local", "mixed"}
+        assert 0.0 <= float(row[1]) <= 1.0 and row[-1] in ROLES
     dead = sum(row[-2] == "yes" for row in layer0 + layer1)
     assert f"dead heads: {dead} of 30" in report
 
@@ -87,6 +115,41 @@ def test_report_on_a_tiny_model_has_every_head_figure_and_score(model_dir, tmp_p
     assert len(first) == 1  # nothing pruned: one accuracy for every score
     assert f"accuracy: {first.pop():.4f}" in report
     assert "normalised entropy >= 0.95" in parts["Statistics, rules and thresholds"]
+
+
+@pytest.fixture(scope="module")
+def shapes_fusion_dir(tmp_path_factory) -> Path:
+    """A tiny cell_steps model trained by ``vlfuse fit`` (:func:`fit_shapes_fusion`)."""
+    return fit_shapes_fusion(tmp_path_factory.mktemp("shapes_fusion"))
+
+
+@needs_shapes
+def test_report_on_a_cell_steps_model_names_each_of_its_16_heads(shapes_fusion_dir, tmp_path, capsys):
+    model = VLFuseModel.from_pretrained(shapes_fusion_dir)
+    assert model.config.fuser.type == "cell_steps" and model.fusion_head_ids == [list(range(16))]
+    out = tmp_path / "report"
+    args = ["analyze", "--model", str(shapes_fusion_dir), "--config", str(SHAPES_FUSION), "--out", str(out),
+            "--limit-images", "8"]
+    assert vlfuse_main(args) == 0, capsys.readouterr().err
+    report = (out / "report.md").read_text()
+    assert "- data: 8 images," in report
+    assert "- fusion layers: 1, heads: 16" in report
+
+    figures = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", report)
+    assert {"head_statistics.png", "head_agreement.png", "head_scores.png", "pruning_curve.png"} <= set(figures)
+    for name in figures:
+        assert (out / name).stat().st_size > 1000, name
+
+    layers = sections(report, "###")
+    assert "Layer 1" not in layers
+    rows = table_rows(layers["Layer 0"])
+    assert [int(row[0]) for row in rows] == list(range(16))  # every head, by its id
+    for row in rows:
+        assert 0.0 <= float(row[1]) <= 1.0 and row[-1] in ROLES
+    dead = sum(row[-2] == "yes" for row in rows)
+    assert f"dead heads: {dead} of 16" in report
+    scores = table_rows(sections(report, "##")["Head importance"])
+    assert {(int(r[0]), int(r[1])) for r in scores} == {(0, h) for h in range(16)} and len(scores) == 16
 
 
 def test_batches_are_labelled_with_the_models_own_answers(model_dir):
@@ -132,6 +195,20 @@ def test_bad_arguments_stop_with_one_message(model_dir, tmp_path, capsys, args, 
     error = capsys.readouterr().err
     assert error.startswith("vlfuse: error:") and message in error
     assert not (tmp_path / "report.md").exists()
+
+
+def test_a_model_whose_fuser_has_no_attention_heads_is_refused_in_one_line(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = VLFuseModel.from_config(reader_config("map_program"), ["false", "true"], ["is a circle red"])
+    directory = model.save_pretrained(tmp_path / "map_program")
+    args = ["analyze", "--model", str(directory), "--config", str(EASY_VQA), "--out", str(tmp_path / "report"),
+            "--limit-images", "4"]
+    assert vlfuse_main(args) == 2
+    assert capsys.readouterr().err == (
+        f"vlfuse: error: {directory} has no attention heads to analyse: its fuser 'map_program' scores the image "
+        "without cross-attention\n"
+    )
+    assert not (tmp_path / "report" / "report.md").exists()
 
 
 def test_config_without_a_data_section_is_named(tmp_path):

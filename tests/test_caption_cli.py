@@ -1,4 +1,4 @@
-"""``vlfuse caption``, Predictor.caption and a short ``vlfuse fit`` of a caption config."""
+"""``vlfuse caption``, :class:`vlfuse.Captioner` and a short ``vlfuse fit`` of a caption config."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from test_caption_model import tiny_caption_model
 from vlfuse.captioning import CaptionModel, greedy
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.data import preprocess_image
-from vlfuse.predict import Predictor
+from vlfuse.inference import Captioner, Predictor
+from vlfuse.model import VLFuseModel
 
-from conftest import REPO, tiny_caption_overrides
+from conftest import COLOUR_ANSWERS, REPO, tiny_caption_overrides, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +41,44 @@ def expected_captions(model_dir, images, **options):
     return [c.text for c in greedy(model, model.encode_images(pixels), **options)]
 
 
-def test_predictor_captions_as_the_model_does_and_reports_bad_images_in_place(model_dir, images, tmp_path):
-    predictor = Predictor.from_pretrained(model_dir, batch_size=2)
-    results = predictor.caption([images[0], tmp_path / "missing.png", images[1], images[2]], errors="report", max_length=8)
+def test_captioner_captions_as_the_model_does_and_reports_bad_images_in_place(model_dir, images, tmp_path):
+    captioner = Captioner.from_pretrained(model_dir, batch_size=2)
+    results = captioner.caption([images[0], tmp_path / "missing.png", images[1], images[2]], errors="report", max_length=8)
     assert [r.get("caption") for r in results] == [*expected_captions(model_dir, images[:1], max_length=8), None,
                                                    *expected_captions(model_dir, images[1:], max_length=8)]
     assert results[1]["error"].startswith("image file not found")
     with pytest.raises(ValueError, match=r"row 1: image file not found"):
-        predictor.caption([images[0], tmp_path / "missing.png"])
+        captioner.caption([images[0], tmp_path / "missing.png"])
 
 
-def test_a_caption_model_refuses_questions_and_an_answering_call_says_why(model_dir, images):
-    predictor = Predictor.from_pretrained(model_dir)
-    with pytest.raises(ValueError, match="this is a caption model"):
-        predictor.predict([images[0]], ["what shape is it?"])
+def test_predictor_refuses_a_caption_model_in_one_line_naming_the_captioner(model_dir, images, capsys):
+    with pytest.raises(ValueError) as error:
+        Predictor.from_pretrained(model_dir)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"{model_dir} is a caption model") and "vlfuse.Captioner" in message
+    args = ["predict", "--model", str(model_dir), "--image", str(images[0]), "--question", "what shape is it?"]
+    assert vlfuse_main(args) == 2
+    assert capsys.readouterr().err == f"vlfuse: error: {message}\n"
+
+
+def test_captioner_refuses_an_answering_model_in_one_line_naming_the_predictor(images, tmp_path, capsys):
+    torch.manual_seed(0)
+    answering = VLFuseModel.from_config(tiny_config(), COLOUR_ANSWERS, ["what color is the shape?"])
+    directory = answering.save_pretrained(tmp_path / "answering")
+    with pytest.raises(ValueError) as error:
+        Captioner.from_pretrained(directory)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"{directory} is a model that answers questions") and "vlfuse.Predictor" in message
+    assert vlfuse_main(["caption", "--model", str(directory), "--image", str(images[0])]) == 2
+    assert capsys.readouterr().err == f"vlfuse: error: {message}\n"
+
+
+def test_captioner_checks_the_attention_layers(model_dir, images):
+    captioner = Captioner.from_pretrained(model_dir)
     with pytest.raises(ValueError, match=r"attention layers \[2\] out of range"):
-        predictor.caption([images[0]], attention_maps="maps", attention_layers=[2])
+        captioner.caption([images[0]], attention_maps="maps", attention_layers=[2])
 
 
 def test_cli_single_image_prints_the_caption(model_dir, images, capsys):

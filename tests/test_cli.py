@@ -6,13 +6,14 @@ import pytest
 import torch
 import yaml
 
-from vlfuse.analysis.analyze import build_parser as build_analyze_parser
 from vlfuse.captioning import CaptionModel
-from vlfuse.cli import SUBCOMMANDS, main, run_lightning
-from vlfuse.model import VLFuseConfig, VLFuseModel
-from vlfuse.readouts import get_readout
-from vlfuse.predict import build_parser as build_predict_parser
-from vlfuse.prune import build_parser as build_prune_parser
+from vlfuse.cli import main, run_lightning
+from vlfuse.commands import SUBCOMMANDS
+from vlfuse.commands.analyze import build_parser as build_analyze_parser
+from vlfuse.commands.predict import build_parser as build_predict_parser
+from vlfuse.commands.prune import build_parser as build_prune_parser
+from vlfuse.fusers import FUSERS
+from vlfuse.model import VLFuseModel
 from vlfuse.runtime import DEFAULT_DEVICE, DEFAULT_THREADS
 
 from conftest import REPO, SHARED, tiny_cli_args
@@ -44,9 +45,9 @@ def test_every_config_trains_for_one_batch(config, tmp_path):
     needs_data(config)
     model = yaml.safe_load(config.read_text())["model"]
     caption = model.get("class_path", "").startswith("vlfuse.captioning")
-    readout = None if caption else get_readout(model["architecture"].get("readout", VLFuseConfig.readout))
-    no_fusion = readout is not None and not readout.reads_fusion  # fusion and text depth 0, as map_program
-    tiny = tiny_cli_args(tmp_path, map_program=no_fusion, caption=caption)
+    fuser = None if caption else FUSERS.parse(model["architecture"].get("fuser", {}))
+    reads_words = fuser is not None and fuser.reads_words  # text depth 0, as map_program and cell_steps
+    tiny = tiny_cli_args(tmp_path, map_program=reads_words, caption=caption)
     cli = run_lightning(["fit", "--config", str(config), *tiny, "--trainer.fast_dev_run=true"])
     assert cli.trainer.global_step == 1
     if caption:
@@ -146,6 +147,22 @@ def test_help_lists_every_subcommand_with_its_whole_description():
     assert list(SUBCOMMANDS) == ["fit", "validate", "test", "predict", "caption", "analyze", "prune"]
 
 
+def test_each_subcommand_lives_in_its_own_module_of_vlfuse_commands():
+    import importlib
+
+    import vlfuse.cli
+
+    assert vlfuse.cli.SUBCOMMANDS is SUBCOMMANDS  # the dispatcher reads the package's table
+    modules = {name: subcommand.module for name, subcommand in SUBCOMMANDS.items()}
+    assert modules == {
+        "fit": "vlfuse.commands.lightning", "validate": "vlfuse.commands.lightning", "test": "vlfuse.commands.lightning",
+        "predict": "vlfuse.commands.predict", "caption": "vlfuse.commands.caption",
+        "analyze": "vlfuse.commands.analyze", "prune": "vlfuse.commands.prune",
+    }
+    for module in set(modules.values()):
+        assert callable(importlib.import_module(module).main), module
+
+
 def test_misspelled_subcommand_is_one_line_listing_every_subcommand():
     result = run_command("analyse")
     assert result.returncode == 2
@@ -205,7 +222,7 @@ def test_test_runs_a_saved_pruned_model_given_by_directory(tmp_path):
         "test", "--config", str(REPO / "configs" / "easy_vqa.yaml"), *tiny_cli_args(tmp_path / "test"),
         f"--model.pretrained={tmp_path / 'pruned'}",
     ])
-    assert cli.model.model.fusion.blocks[0].cross_attn.num_heads == 8
+    assert cli.model.model.fuser.stack.blocks[0].cross_attn.num_heads == 8
     datamodule = build_datamodule(REPO / "configs" / "easy_vqa.yaml", ["--data.init_args.limit_images=8"])
     expected = evaluate(model, load_batches(datamodule, model, "test"))
     assert abs(float(cli.trainer.callback_metrics["test/acc"]) - expected) < 1e-6

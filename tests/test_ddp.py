@@ -24,7 +24,7 @@ from vlfuse.analysis.data import build_datamodule, load_batches
 from vlfuse.analysis.head_scores import evaluate
 from vlfuse.cli import main
 from vlfuse.data import IGNORE_INDEX
-from vlfuse.lightning_cli import wait_for_other_ranks
+from vlfuse.commands.lightning import wait_for_other_ranks
 from vlfuse.model import VLFuseModel
 
 from conftest import REPO, tiny_cli_args

@@ -16,9 +16,10 @@ from vlfuse.data import preprocess_image
 from vlfuse.encoders import ImageEncoder
 from vlfuse.layers import attention as attention_module
 from vlfuse.model import VLFuseModel
-from vlfuse.predict import Predictor, PredictWarning
+from vlfuse.processor import VLFuseProcessor
+from vlfuse.inference import Predictor, PredictWarning
 
-from conftest import load_script, tiny_config
+from conftest import load_script, reader_config, tiny_config
 
 ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
 QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a blue shape?", "what shape is it?"]
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def model_dir(tmp_path_factory):
     torch.manual_seed(0)
     # Ungated, so that the image changes the answer even without training.
-    model = VLFuseModel.from_config(tiny_config(gated=False), ANSWERS, QUESTIONS)
+    model = VLFuseModel.from_config(tiny_config(fuser={"gated": False}), ANSWERS, QUESTIONS)
     return model.save_pretrained(tmp_path_factory.mktemp("model") / "tiny")
 
 
@@ -72,7 +73,7 @@ def reference(model, sources, questions):
     """The model's own forward pass, one image row per question: probabilities (Bq, answers)."""
     pixels = torch.stack([preprocess_image(s, model.config.image.image_size) for s in sources])
     with torch.no_grad():
-        return model(pixels, **model.tokenize(questions)).logits.softmax(-1)
+        return model(pixels, **model.processor.tokenize(questions)).logits.softmax(-1)
 
 
 def assert_matches(results, probs):
@@ -141,9 +142,9 @@ def test_predict_runs_with_its_thread_count_and_restores_the_callers(model_dir, 
     seen = []
     original = VLFuseModel.encode_images
 
-    def recording(self, pixels):
+    def recording(self, pixels, *keys):
         seen.append(torch.get_num_threads())
-        return original(self, pixels)
+        return original(self, pixels, *keys)
 
     monkeypatch.setattr(VLFuseModel, "encode_images", recording)
     before = torch.get_num_threads()
@@ -179,6 +180,41 @@ def test_the_same_pil_object_is_encoded_once_and_equal_copies_twice(predictor, i
     results = predictor.predict([picture, copy, picture], QUESTIONS[:3])
     assert [len(pixels) for pixels in encoded] == [2]
     assert_matches(results, reference(predictor.model, [images[0]] * 3, QUESTIONS[:3]))
+
+
+# ------------------------------------------------------------------------------- the processor
+def test_processor_loads_each_distinct_image_once_and_the_model_answers_as_the_predictor(predictor, images,
+                                                                                       monkeypatch):
+    loaded = []
+    original = VLFuseProcessor.image
+
+    def recording(self, source):
+        loaded.append(source)
+        return original(self, source)
+
+    monkeypatch.setattr(VLFuseProcessor, "image", recording)
+    model = predictor.model
+    # The same file twice (a Path, then its str): one pixel row, both questions about it.
+    inputs = model.processor([images[0], str(images[0])], QUESTIONS[:2])
+    assert loaded == [images[0]]
+    assert inputs.pixel_values.shape == (1, 3, 32, 32)
+    assert inputs.image_index.tolist() == [0, 0]
+    torch.testing.assert_close(inputs.pixel_values[0], preprocess_image(images[0], 32), atol=0, rtol=0)
+    assert set(inputs) == {"pixel_values", "input_ids", "attention_mask", "image_index", "image_keys"}
+
+    loaded.clear()
+    sources, questions = [images[0], images[1], images[0], images[2], images[1]], QUESTIONS + QUESTIONS[:1]
+    inputs = model.processor(sources, questions)
+    assert loaded == [images[0], images[1], images[2]]
+    assert inputs.pixel_values.shape[0] == 3 and inputs.image_index.tolist() == [0, 1, 0, 2, 1]
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    # Shared image rows give the logits of one image row per question, and Predictor's answers.
+    torch.testing.assert_close(logits.softmax(-1), reference(model, sources, questions), atol=1e-5, rtol=0)
+    results = predictor.predict(sources, questions, top_k=len(ANSWERS))
+    assert_matches(results, logits.softmax(-1))
+    scores = torch.tensor([[next(e["score"] for e in r["top_k"] if e["answer"] == a) for a in ANSWERS] for r in results])
+    torch.testing.assert_close(scores, logits.softmax(-1), atol=1e-5, rtol=0)  # every answer's probability
 
 
 # ------------------------------------------------------------------------------ image formats
@@ -265,7 +301,7 @@ def test_unknown_words_are_named_in_a_warning(predictor, images):
     with pytest.warns(PredictWarning, match=r"^row 0: unknown words, read as \[UNK\]: 'purple', 'zorgon'$"):
         [result] = predictor.predict([images[0]], [question])
     assert result["warnings"] == ["unknown words, read as [UNK]: 'purple', 'zorgon'"]
-    ids = predictor.model.tokenize([question])["input_ids"][0]
+    ids = predictor.model.processor.tokenize([question])["input_ids"][0]
     assert int((ids == predictor.model.tokenizer.unk_token_id).sum()) == 3  # what the warning says
     assert_matches([result], reference(predictor.model, [images[0]], [question]))  # and it is still answered
     with warnings.catch_warnings():
@@ -305,7 +341,7 @@ def test_attention_maps_files_panels_and_weights(predictor, images, tmp_path, mo
 
     model = predictor.model
     pixels = torch.stack([preprocess_image(s, 32) for s in sources])
-    tokens = model.tokenize(questions)
+    tokens = model.processor.tokenize(questions)
     with torch.no_grad():
         out = model(pixels, **tokens, weights_from=[1])
     for row in range(2):
@@ -326,13 +362,33 @@ def test_attention_maps_files_panels_and_weights(predictor, images, tmp_path, mo
         assert results[row]["attention_maps"]["weights"] == str(tmp_path / f"row_{row}.npz")
 
 
+def test_attention_maps_of_the_cell_steps_fuser_cover_its_16_heads_over_the_patches(images, tmp_path):
+    torch.manual_seed(0)
+    model = VLFuseModel.from_config(reader_config("cell_steps"), ["false", "true"], ["is a red square left of a circle"])
+    assert model.fusion_head_ids == [list(range(HEADS))]
+    sources, questions = images[:2], ["is a red square left of a circle", "is a circle"]
+    results = Predictor(model).predict(sources, questions, attention_maps=tmp_path)
+    inputs = model.processor(sources, questions)
+    with torch.no_grad():
+        out = model(**inputs, weights_from=[0])
+    for row in range(2):
+        assert (tmp_path / f"row_{row}_layer0.png").stat().st_size > 0
+        sidecar = json.loads((tmp_path / f"row_{row}.json").read_text())
+        assert sidecar["layers"]["0"]["heads"] == list(range(HEADS))
+        weights = np.load(tmp_path / f"row_{row}.npz")["layer_0"]
+        real = out.text_mask[row]
+        np.testing.assert_allclose(weights, out.attentions[0][row][:, real].mean(1).numpy(), atol=1e-5)
+        np.testing.assert_allclose(weights.sum(-1), np.ones(HEADS), atol=1e-5)  # each head's weights: a distribution
+        assert results[row]["attention_maps"]["weights"] == str(tmp_path / f"row_{row}.npz")
+
+
 def test_attention_token_selects_one_position_and_is_checked(predictor, images, tmp_path):
     model = predictor.model
     results = predictor.predict([images[0], images[1]], ["what shape is it?", "is it red?"], errors="report",
                                 attention_maps=tmp_path, attention_layers=[0], attention_token=5)
     # With [CLS] and [SEP]: "what shape is it?" has 7 tokens (5 is '?'), "is it red?" 6, "red?" 4.
     assert "error" not in results[0] and "error" not in results[1]
-    tokens = model.tokenize(["what shape is it?"])
+    tokens = model.processor.tokenize(["what shape is it?"])
     with torch.no_grad():
         out = model(preprocess_image(images[0], 32)[None], **tokens, weights_from=[0])
     saved = np.load(tmp_path / "row_0.npz")["layer_0"]

@@ -21,9 +21,10 @@ from vlfuse.cli import main as vlfuse_main
 from vlfuse.cli import run_lightning
 from vlfuse.data import IGNORE_INDEX, preprocess_image
 from vlfuse.model import VLFuseModel
-from vlfuse.predict import Predictor
+from vlfuse.inference import Predictor
 
-from conftest import HEADS, REPO, SCORED_ANSWERS, logits, tiny_cli_args
+from conftest import HEADS, REPO, SCORED_ANSWERS, logits, reader_config, tiny_cli_args
+from test_analyze import SHAPES_FUSION, fit_shapes_fusion, needs_shapes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,7 +91,7 @@ def test_pruning_by_each_score_removes_its_lowest_heads(model, batches, score):
     pruned = prune_model(model, heads_to_prune(scores, fraction=0.25))
     lowest = torch.argsort(scores.flatten(), stable=True)[:8]  # 8 of 32; ties in (layer, head) order
     expected = {(int(i) // 16, int(i) % 16) for i in lowest}
-    removed = {(layer, h) for layer, block in enumerate(pruned.fusion.blocks) for h in block.cross_attn.pruned_heads}
+    removed = {(layer, h) for layer, block in enumerate(pruned.fuser.stack.blocks) for h in block.cross_attn.pruned_heads}
     assert removed == expected
     assert sum(heads_per_layer(pruned)) == 24 and heads_per_layer(model) == [16, 16]
 
@@ -111,15 +112,15 @@ def test_a_pruned_model_saves_loads_and_predicts(model, tmp_path):
     directory = pruned.save_pretrained(tmp_path / "pruned")
     loaded = VLFuseModel.from_pretrained(directory)
     assert heads_per_layer(loaded) == [13, 12]
-    head_ids = [block.cross_attn.head_ids for block in pruned.fusion.blocks]
-    assert [block.cross_attn.head_ids for block in loaded.fusion.blocks] == head_ids
+    head_ids = [block.cross_attn.head_ids for block in pruned.fuser.stack.blocks]
+    assert [block.cross_attn.head_ids for block in loaded.fuser.stack.blocks] == head_ids
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (40, 30, 3), dtype=np.uint8) for _ in range(3)]
     questions = ["what color is the shape?", "is there a red shape?", "what shape is it?"]
     results = Predictor.from_pretrained(directory).predict(images, questions)
     pixels = torch.stack([preprocess_image(image, 32) for image in images])
     with torch.no_grad():
-        probs = pruned(pixels, **pruned.tokenize(questions)).logits.softmax(-1)
+        probs = pruned(pixels, **pruned.processor.tokenize(questions)).logits.softmax(-1)
     assert [r["answer"] for r in results] == [SCORED_ANSWERS[i] for i in probs.argmax(-1)]
     torch.testing.assert_close(torch.tensor([r["score"] for r in results]), probs.max(-1).values, atol=1e-5, rtol=0)
 
@@ -134,7 +135,7 @@ def test_take_questions_keeps_only_the_images_asked_about(batches):
 
 def test_measure_latency_times_every_model(model, batches, monkeypatch):
     # A clock that moves only in forward passes, by a cost per model and part: each sample must be one
-    # model's own fusion stack or whole forward pass, warm-up left out, and speedup their paired ratio.
+    # model's own fuser or whole forward pass, warm-up left out, and speedup their paired ratio.
     from vlfuse.analysis import timing
     from vlfuse.analysis.pruning import speedup
 
@@ -142,7 +143,7 @@ def test_measure_latency_times_every_model(model, batches, monkeypatch):
     monkeypatch.setattr(timing, "perf_counter", lambda: now[0])
     models = {"before": prune_model(model, {}), "after": prune_model(model, HEADS)}  # copies carry the hooks
     for name, (fusion_cost, rest_cost) in {"before": (4.0, 2.0), "after": (1.0, 1.0)}.items():
-        models[name].fusion.register_forward_hook(lambda *_, cost=fusion_cost: now.__setitem__(0, now[0] + cost))
+        models[name].fuser.register_forward_hook(lambda *_, cost=fusion_cost: now.__setitem__(0, now[0] + cost))
         models[name].register_forward_hook(lambda *_, cost=rest_cost: now.__setitem__(0, now[0] + cost))
     latency = measure_latency(models, take_questions(batches, 8), repeats=2, warmup=1)
     assert all(isinstance(t, Latency) for t in latency.values())
@@ -172,12 +173,12 @@ def test_vlfuse_prune_end_to_end(trained, tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     for row in ("| heads per layer | 16 | 8 | 8 pruned |", "test accuracy, pruned", "then fine-tuned 1 epoch",
-                "parameters, fusion stack", "latency, fusion stack (64 questions", "latency, whole model"):
+                "parameters, fuser", "latency, fuser (64 questions", "latency, whole model"):
         assert row in printed
     model = VLFuseModel.from_pretrained(out)
     assert heads_per_layer(model) == [8]
     original = VLFuseModel.from_pretrained(trained / "model")
-    assert not torch.equal(model.readout.classifier[2].weight, original.readout.classifier[2].weight)  # fine-tuned
+    assert not torch.equal(model.head.classifier[2].weight, original.head.classifier[2].weight)  # fine-tuned
     [answer] = Predictor.from_pretrained(out).predict([np.zeros((64, 64, 3), np.uint8)], ["what color is the shape?"])
     assert answer["answer"] in model.answers
 
@@ -218,6 +219,20 @@ def test_vlfuse_prune_errors_are_one_line(trained, tmp_path, capsys, extra, mess
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_a_model_whose_fuser_has_no_attention_heads_is_refused_in_one_line(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = VLFuseModel.from_config(reader_config("map_program"), ["false", "true"], ["is a circle red"])
+    directory = model.save_pretrained(tmp_path / "map_program")
+    args = ["prune", "--model", str(directory), "--config", str(EASY_VQA), "--score", "weight_norm",
+            "--fraction", "0.5", "--limit-images", "4", "--out", str(tmp_path / "out")]
+    assert vlfuse_main(args) == 2
+    assert capsys.readouterr().err == (
+        f"vlfuse: error: {directory} has no attention heads to prune: its fuser 'map_program' scores the image "
+        "without cross-attention\n"
+    )
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
 def test_fraction_zero_with_fine_tuning_is_the_unpruned_control(trained, tmp_path, capsys):
     out = tmp_path / "control"
     code = vlfuse_main([
@@ -230,4 +245,53 @@ def test_fraction_zero_with_fine_tuning_is_the_unpruned_control(trained, tmp_pat
     model = VLFuseModel.from_pretrained(out)
     original = VLFuseModel.from_pretrained(trained / "model")
     assert heads_per_layer(model) == [16]
-    assert not torch.equal(model.readout.classifier[2].weight, original.readout.classifier[2].weight)  # fine-tuned all the same
+    assert not torch.equal(model.head.classifier[2].weight, original.head.classifier[2].weight)  # fine-tuned all the same
+
+
+# ------------------------------------------------------------- vlfuse prune on the cell_steps fuser
+@pytest.fixture(scope="module")
+def shapes_fusion_dir(tmp_path_factory):
+    """A tiny cell_steps model (configs/shapes_fusion.yaml: one shared block of 16 heads) exported by ``vlfuse fit``."""
+    return fit_shapes_fusion(tmp_path_factory.mktemp("shapes_fusion"))
+
+
+@needs_shapes
+def test_vlfuse_prune_removes_cell_steps_heads_and_the_smaller_model_answers(shapes_fusion_dir, tmp_path, capsys):
+    out = tmp_path / "pruned"
+    code = vlfuse_main([
+        "prune", "--model", str(shapes_fusion_dir), "--config", str(SHAPES_FUSION), "--score", "gradient",
+        "--fraction", "0.5", "--limit-images", "8", "--latency-repeats", "1", "--out", str(out),
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for row in ("| heads per layer | 16 | 8 | 8 pruned |", "parameters, fuser", "latency, fuser ("):
+        assert row in printed
+    original = VLFuseModel.from_pretrained(shapes_fusion_dir)
+    model = VLFuseModel.from_pretrained(out)
+    assert model.config.fuser.type == "cell_steps"
+    assert heads_per_layer(original) == [16] and heads_per_layer(model) == [8]
+    assert model.fuser.step.cross_attn.num_heads == 8
+
+    # The heads that went are the 8 lowest gradient scores on the batches the command scored.
+    datamodule = build_datamodule(SHAPES_FUSION, ["--data.init_args.limit_images=8"])
+    heads = heads_to_prune(score_heads(original, "gradient", load_batches(datamodule, original, "val")), fraction=0.5)
+    assert list(heads) == [0] and len(heads[0]) == 8
+    assert model.config.pruned_heads == {"0": heads[0]}
+    assert model.fusion_head_ids == [[h for h in range(16) if h not in heads[0]]]
+    assert f"layer 0 pruned heads: {heads[0]}" in printed
+
+    # The smaller model gives the logits of the original with those heads masked out, and Predictor
+    # loads it and answers with them.
+    records = datamodule.records("val")[:4]
+    images, questions = [r.image for r in records], [r.questions[0] for r in records]
+    inputs = model.processor(images, questions)
+    head_mask = torch.ones(1, 16)
+    head_mask[0, heads[0]] = 0.0
+    with torch.no_grad():
+        pruned_logits = model(**inputs).logits
+        torch.testing.assert_close(pruned_logits, original(**inputs, head_mask=head_mask).logits, atol=1e-5, rtol=0)
+        assert not torch.allclose(pruned_logits, original(**inputs).logits, atol=1e-4)  # the heads mattered
+    probs = pruned_logits.softmax(-1)
+    results = Predictor.from_pretrained(out).predict(images, questions)
+    assert [r["answer"] for r in results] == [model.answers[i] for i in probs.argmax(-1)]
+    torch.testing.assert_close(torch.tensor([r["score"] for r in results]), probs.max(-1).values, atol=1e-5, rtol=0)

@@ -331,6 +331,12 @@ class VLFuseModel(nn.Module):
         return self.fuser.attention_layers
 
     @property
+    def attention_prefix_tokens(self) -> int:
+        """How many prefix tokens (CLS, registers) begin the keys of the attention layers: the image
+        tokens their weights ``(..., Li)`` cover are these, then the patch grid."""
+        return self.fuser.attended_prefix_tokens(self.image_encoder.num_prefix_tokens)
+
+    @property
     def has_fusion_heads(self) -> bool:
         """Whether the fuser has cross-attention heads to draw, score or prune."""
         return bool(self.attention_layers)

@@ -94,7 +94,7 @@ def collect_head_stats(
     model.eval()
     device = next(model.parameters()).device
     encoder = model.image_encoder
-    grid, prefix = tuple(encoder.grid_size), encoder.num_prefix_tokens
+    grid, prefix = tuple(encoder.grid_size), model.attention_prefix_tokens
     attentions = model.attention_layers
     layers = list(range(len(attentions)))
     accumulators = [HeadStatsAccumulator(attentions[i].num_heads, grid, prefix) for i in layers]

@@ -92,8 +92,8 @@ class Latency:
     """Seconds of each timed forward pass (inference mode), in the order they ran.
 
     Attributes:
-        fusion_times: the fusion stack: projecting the image tokens to every layer's keys/values,
-            then every fusion block, from encoder outputs computed beforehand.
+        fusion_times: the fuser: what it reads of the image tokens (e.g. every layer's keys/values),
+            then the fuser itself, from encoder outputs computed beforehand.
         model_times: the whole model, from pixels and token ids to answer logits.
     """
 
@@ -102,7 +102,7 @@ class Latency:
 
     @property
     def fusion(self) -> float:
-        """Median seconds of the fusion stack."""
+        """Median seconds of the fuser."""
         return statistics.median(self.fusion_times)
 
     @property
@@ -112,7 +112,7 @@ class Latency:
 
 
 def speedup(before: Latency, after: Latency) -> tuple[float, float]:
-    """``(fusion stack, whole model)`` speed-ups of ``after`` over ``before``.
+    """``(fuser, whole model)`` speed-ups of ``after`` over ``before``.
 
     Medians of the per-repetition ratios: repetition i of both ran side by side, so a burst of
     load from other processes cancels out, which a ratio of medians does not guarantee.
@@ -147,7 +147,7 @@ def measure_latency(
 ) -> dict[str, Latency]:
     """Forward-pass latency of several models on one batch, measured side by side.
 
-    Every repetition times each model's fusion stack and then its whole forward pass, the models
+    Every repetition times each model's fuser and then its whole forward pass, the models
     in a rotating order, so that the noise of a shared machine falls on all alike (compare them
     with :func:`speedup`). Runs on each model's own device and dtype, in eval mode, without
     gradients.
@@ -166,7 +166,7 @@ def measure_latency(
 
 
 def _forward_runs(model: VLFuseModel, batch: dict):
-    """Two closures timing (the fusion stack, the whole model) on ``batch``; encoder outputs precomputed."""
+    """Two closures timing (the fuser, the whole model) on ``batch``; encoder outputs precomputed."""
     model.eval()
     parameter = next(model.parameters())
     inputs = model.processor.batch(batch, parameter.device, parameter.dtype)

@@ -100,6 +100,11 @@ class Fuser(nn.Module):
         """Its cross-attention layers, in order: the heads that can be masked, drawn, scored and pruned."""
         return []
 
+    def attended_prefix_tokens(self, num_prefix_tokens: int) -> int:
+        """How many prefix tokens (CLS, registers) begin the keys of its attention layers, of the
+        image encoder's ``num_prefix_tokens``: all of them, the keys being every image token."""
+        return num_prefix_tokens
+
     def forward(
         self,
         text: torch.Tensor,

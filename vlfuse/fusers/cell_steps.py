@@ -108,6 +108,10 @@ class CellStepsFuser(Fuser):
     def attention_layers(self) -> list[CrossAttention]:
         return [self.step.cross_attn]
 
+    def attended_prefix_tokens(self, num_prefix_tokens: int) -> int:
+        """None: the cells attend the patch tokens only (:meth:`image_context`)."""
+        return 0
+
     def question_features(self, text_encoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The word embeddings ``(Bq, Lt, text width)``, layer-normalised."""
         return self.word_norm(text_encoder.embed_words(input_ids))

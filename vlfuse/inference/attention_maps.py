@@ -70,8 +70,7 @@ class QuestionAttentionWriter(AttentionMapWriter):
     """
 
     def __init__(self, model, directory: str | Path, layers: list[int], token: int | None) -> None:
-        encoder = model.image_encoder
-        super().__init__(directory, encoder.grid_size, encoder.num_prefix_tokens)
+        super().__init__(directory, model.image_encoder.grid_size, model.attention_prefix_tokens)
         self.layers, self.token = layers, token
         self.tokenizer = model.tokenizer
         self.head_ids = {layer: model.fusion_head_ids[layer] for layer in layers}
