@@ -1,7 +1,6 @@
 """The attention options of the fusion blocks: dropout, the LeakyReLU normaliser, head diversity."""
 
 import json
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -11,9 +10,9 @@ from vlfuse import CrossAttention, FusionStack
 from vlfuse.layers import OutputGate, attention_core, head_diversity, leaky_relu_normalize, softmax_normalize
 from vlfuse.layers.attention import LEAKY_SLOPE
 from vlfuse.model import VLFuseConfig, VLFuseModel
+from vlfuse.model_io import parts_of_flat
 
-from conftest import REPO, tiny_cli_args, tiny_config
-from test_model import logits, make_model
+from conftest import REPO, logits, make_model, tiny_cli_args, tiny_config
 
 
 def inputs(b=3, lq=5, lk=7, dim=32, seed=1):
@@ -103,7 +102,7 @@ def test_softmax_default_is_unchanged_and_stays_on_sdpa(monkeypatch):
     out = attn(x, ctx)
     assert calls == [1]
     kv = attn.project_context(ctx)
-    q = attn._split_heads(attn.q_proj(x))
+    q = attn.split_heads(attn.q_proj(x))
     core, _ = attention_core(q, kv.key, kv.value)  # the default core: SDPA, bit for bit
     assert torch.equal(out, attn.out_proj(core.transpose(1, 2).reshape(3, 5, 32)))
 
@@ -113,6 +112,8 @@ def test_unknown_normaliser_is_refused():
         CrossAttention(32, 4, normalizer="sparsemax")
     with pytest.raises(ValueError, match="normalizer must be one of"):
         FusionStack(1, 32, 4, attention_normalizer="relu")
+    with pytest.raises(ValueError, match=r"fuser\.normalizer must be one of \['softmax', 'leaky_relu'\], got 'relu'"):
+        tiny_config(fuser={"normalizer": "relu"})
 
 
 def test_the_normaliser_is_chosen_once_and_only_softmax_keeps_sdpa(monkeypatch):
@@ -159,8 +160,8 @@ def test_attention_dropout_is_active_in_training_unbiased_and_nan_free(use_sdpa,
 
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.3, 0.5])
 def test_attention_dropout_and_normaliser_reach_every_attention_of_the_model(p):
-    model, batch = make_model(attn_dropout=p, attention_normalizer="leaky_relu", text_self_attention=True)
-    for block in model.fusion.blocks:
+    model, batch = make_model(fuser={"attn_dropout": p, "normalizer": "leaky_relu", "self_attention": True})
+    for block in model.fuser.stack.blocks:
         for attn in (block.self_attn, block.cross_attn):
             assert attn.dropout == p and attn.normalizer == "leaky_relu"
     out = logits(model.train(), batch)
@@ -168,15 +169,21 @@ def test_attention_dropout_and_normaliser_reach_every_attention_of_the_model(p):
 
 
 def test_new_options_are_saved_and_old_configs_load_with_defaults(tmp_path):
-    model, batch = make_model(attn_dropout=0.3, attention_normalizer="leaky_relu", diversity_weight=0.2)
+    model, batch = make_model(fuser={"attn_dropout": 0.3, "normalizer": "leaky_relu", "diversity_weight": 0.2})
     directory = model.eval().save_pretrained(tmp_path / "m")
     loaded = VLFuseModel.from_pretrained(directory)
-    assert loaded.config.attention_normalizer == "leaky_relu" and loaded.config.diversity_weight == 0.2
+    assert loaded.config.fuser.normalizer == "leaky_relu" and loaded.config.fuser.diversity_weight == 0.2
+    assert loaded.config.fuser.attn_dropout == 0.3
     torch.testing.assert_close(logits(loaded, batch), logits(model, batch), atol=0, rtol=0)
-    old = asdict(tiny_config())
-    del old["attention_normalizer"], old["diversity_weight"]  # a config.json from before these options
-    config = VLFuseConfig.from_dict(json.loads(json.dumps(old)))
-    assert config.attention_normalizer == "softmax" and config.diversity_weight == 0.0
+    current = tiny_config().to_dict()
+    del current["fuser"]["normalizer"], current["fuser"]["diversity_weight"]  # a fuser that does not set them
+    config = VLFuseConfig.from_dict(json.loads(json.dumps(current)))
+    assert config.fuser.normalizer == "softmax" and config.fuser.diversity_weight == 0.0
+    # A flat config.json (formats 1 and 2) from before these options.
+    old = {"fusion_dim": 32, "fusion_depth": 2, "fusion_heads": 16, "readout": "pool"}
+    config = VLFuseConfig.from_dict(parts_of_flat(old))
+    assert config.fuser.type == "fusion_stack"
+    assert config.fuser.normalizer == "softmax" and config.fuser.diversity_weight == 0.0
 
 
 # ----------------------------------------------------------------------------- head diversity
@@ -225,19 +232,23 @@ def test_diversity_skips_rows_without_keys_keeps_gradients_finite_and_checks_arg
 
 
 def test_the_model_returns_the_diversity_only_when_training_with_a_weight():
-    model, batch = make_model(diversity_weight=0.5)
-    tokens = model.tokenize(batch["questions"])
-    out = model.train()(batch["pixel_values"], **tokens, image_index=batch["image_index"], weights_from=[1])
+    model, batch = make_model(fuser={"diversity_weight": 0.5})
+    inputs = model.processor.batch(batch)
+    out = model.train()(**inputs, weights_from=[1])
     assert out.head_diversity.shape == () and 0 <= out.head_diversity.item() <= 1
+    # The fuser's auxiliary loss (which the training loss adds) is the weighted penalty.
+    torch.testing.assert_close(out.auxiliary_loss, 0.5 * out.head_diversity)
     assert list(out.attentions) == [1]  # the layers asked for, not every layer the penalty read
     out.head_diversity.backward()
-    grads = [block.cross_attn.q_proj.weight.grad for block in model.fusion.blocks]
+    grads = [block.cross_attn.q_proj.weight.grad for block in model.fuser.stack.blocks]
     assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
-    assert model.eval()(batch["pixel_values"], **tokens, image_index=batch["image_index"]).head_diversity is None
+    evaluated = model.eval()(**inputs)
+    assert evaluated.head_diversity is None and evaluated.auxiliary_loss is None
     plain, _ = make_model()
-    assert plain.train()(batch["pixel_values"], **tokens, image_index=batch["image_index"]).head_diversity is None
-    with pytest.raises(ValueError, match="diversity_weight"):
-        make_model(diversity_weight=-1.0)
+    trained = plain.train()(**inputs)
+    assert trained.head_diversity is None and trained.auxiliary_loss is None
+    with pytest.raises(ValueError, match=r"fuser\.diversity_weight must be >= 0"):
+        make_model(fuser={"diversity_weight": -1.0})
 
 
 def test_stack_of_leaky_relu_blocks_trains():
@@ -257,20 +268,20 @@ def test_training_logs_the_head_diversity(tmp_path):
     args = [
         "fit", "--config", str(REPO / "configs" / "easy_vqa.yaml"), *tiny_cli_args(tmp_path),
         "--test_after_fit=false", "--trainer.fast_dev_run=true",
-        "--model.architecture.diversity_weight=0.1", "--model.architecture.attention_normalizer=leaky_relu",
-        "--model.architecture.attn_dropout=0.3",
+        "--model.architecture.fuser.diversity_weight=0.1", "--model.architecture.fuser.normalizer=leaky_relu",
+        "--model.architecture.fuser.attn_dropout=0.3",
     ]
     cli = run_lightning(args)
     metrics = cli.trainer.callback_metrics
     assert 0 <= float(metrics["train/head_diversity_step"]) <= 1
-    assert cli.model.model.fusion.blocks[0].cross_attn.normalizer == "leaky_relu"
-    assert cli.model.model.fusion.blocks[0].cross_attn.dropout == 0.3
+    assert cli.model.model.fuser.stack.blocks[0].cross_attn.normalizer == "leaky_relu"
+    assert cli.model.model.fuser.stack.blocks[0].cross_attn.dropout == 0.3
 
 
 # ----------------------------------------------------------------------------- the output gate
 def concatenated_heads(attn, x, ctx, zeroed_heads=()):
     """Reference: the heads' outputs by hand, ``zeroed_heads`` set to 0, concatenated: (B, Lq, H * hd)."""
-    q = attn._split_heads(attn.q_proj(x))
+    q = attn.split_heads(attn.q_proj(x))
     kv = attn.project_context(ctx)
     per_head, _ = attention_core(q, kv.key, kv.value)  # (B, H, Lq, hd)
     per_head[:, list(zeroed_heads)] = 0
@@ -328,19 +339,20 @@ def test_pruning_a_gated_attention_removes_those_heads_and_their_gates():
 
 
 def test_output_gate_and_swiglu_reach_the_model_and_survive_save_and_load(tmp_path):
-    model, batch = make_model(output_gate=True, mlp_type="swiglu", text_self_attention=True)
-    for block in model.fusion.blocks:
+    model, batch = make_model(fuser={"output_gate": True, "mlp": "swiglu", "self_attention": True})
+    for block in model.fuser.stack.blocks:
         assert block.self_attn.gate_proj is not None and block.cross_attn.gate_proj is not None
     directory = model.eval().save_pretrained(tmp_path / "m")
     loaded = VLFuseModel.from_pretrained(directory)
-    assert loaded.config.output_gate and loaded.config.mlp_type == "swiglu"
+    assert loaded.config.fuser.output_gate and loaded.config.fuser.mlp == "swiglu"
     torch.testing.assert_close(logits(loaded, batch), logits(model, batch), atol=0, rtol=0)
     loaded.prune_heads({0: [1, 5], 1: [0]})  # the gate rows go with their heads, and stay gone
     pruned = loaded.save_pretrained(tmp_path / "pruned")
     reloaded = VLFuseModel.from_pretrained(pruned)
-    assert reloaded.fusion.blocks[0].cross_attn.gate_proj.weight.shape[0] == 14 * reloaded.fusion.blocks[0].cross_attn.head_dim
+    cross_attn = reloaded.fuser.stack.blocks[0].cross_attn
+    assert cross_attn.gate_proj.weight.shape[0] == 14 * cross_attn.head_dim
     torch.testing.assert_close(logits(reloaded, batch), logits(loaded, batch), atol=0, rtol=0)
-    old = asdict(tiny_config())
-    del old["output_gate"], old["mlp_type"]  # a config.json from before these options
-    config = VLFuseConfig.from_dict(old)
-    assert not config.output_gate and config.mlp_type == "gelu"
+    # A flat config.json (formats 1 and 2) from before these options: the model it was, ungated GELU MLPs.
+    old = {"fusion_dim": 32, "fusion_depth": 2, "fusion_heads": 16, "readout": "bilinear"}
+    config = VLFuseConfig.from_dict(parts_of_flat(old))
+    assert not config.fuser.output_gate and config.fuser.mlp == "gelu"

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from vlfuse.captioning import CaptionConfig, CaptionModel, greedy
+from vlfuse.captioning import CaptionConfig, CaptionDecoder, CaptionModel, greedy
+from vlfuse.captioning.model import caption_processor
 from vlfuse.encoders import ImageEncoderConfig
+from vlfuse.heads import caption_decoder
+from vlfuse.layers import CausalSelfAttention as ExportedCausalSelfAttention
+from vlfuse.layers import ProjectedContext
 from vlfuse.layers.causal import CausalSelfAttention, KVCache, causal_mask
+from vlfuse.model import ImageContext
 
 from conftest import parameters_without_gradient
 
@@ -119,8 +125,28 @@ def test_loading_an_answering_model_folder_as_a_caption_model_names_the_file(tmp
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "config.json").write_text(json.dumps({"format_version": 2, "model_type": "vlfuse"}))
-    with pytest.raises(ValueError, match=r"config\.json is not a caption model of format 1 \(model_type 'vlfuse'"):
+    with pytest.raises(ValueError, match=r"config\.json is not a vlfuse-caption model of format 1 \(model_type 'vlfuse', format 2\)"):
         CaptionModel.from_pretrained(tmp_path)
+
+
+def test_a_caption_model_is_its_config_and_processor():
+    """CaptionModel(config, processor): the processor holds the tokenizer, the image size and the longest caption."""
+    model = tiny_caption_model()
+    processor = model.processor
+    assert (processor.image_size, processor.max_length) == (30, 24) and model.tokenizer is processor.tokenizer
+    twin = CaptionModel(model.config, caption_processor(model.config, model.tokenizer)).eval()
+    twin.load_state_dict(model.state_dict())
+    pixels, ids = torch.rand(2, 3, 30, 30), model.tokenize(CAPTIONS[:2])
+    assert torch.equal(ids, processor.tokenize(CAPTIONS[:2])["input_ids"])
+    with torch.no_grad():
+        torch.testing.assert_close(twin(pixels, ids), model(pixels, ids), rtol=0, atol=0)
+        image = processor.image(np.full((40, 50, 3), 200, dtype=np.uint8))  # any size, resized to the model's
+        assert image.shape == (3, 30, 30)
+        context = model.encode_images(image[None])
+    # The image context's features: each decoder block's keys/values, (Bi, H, prefix + 9 patches, hd).
+    assert isinstance(context, ImageContext) and len(context.features) == model.num_layers == 2
+    assert all(isinstance(kv, ProjectedContext) and kv.key.shape == (1, 16, 10, 2) for kv in context.features)
+    assert CaptionDecoder is caption_decoder.CaptionDecoder and ExportedCausalSelfAttention is CausalSelfAttention
 
 
 def test_a_caption_longer_than_the_positions_is_refused():

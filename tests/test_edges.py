@@ -88,6 +88,39 @@ def test_the_base_datamodule_is_refused(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "option, line",
+    [
+        ("--model.architecture.fusion_depth=1",
+         "model.architecture.fusion_depth is an option of the model's parts now: model.architecture.fuser.depth"),
+        ("--model.architecture.mlp_type=gelu",
+         "model.architecture.mlp_type is an option of the model's parts now: model.architecture.fuser.mlp"),
+        ("--model.architecture.readout=pool",
+         "model.architecture.readout is an option of the model's parts now: model.architecture.head.type (pool: pooled; "
+         "bilinear), or fuser.type map_program or cell_steps with head.type existence"),
+    ],
+    ids=["fusion_depth", "mlp_type", "readout"],
+)
+def test_a_flat_model_option_of_before_the_parts_says_where_it_went(tmp_path, capsys, option, line):
+    err = error_of(capsys, fit_args(tmp_path, "--trainer.fast_dev_run=true", option))
+    assert err == f"vlfuse: error: {line} (docs/training.md#the-models-options)"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "option, line",
+    [
+        ("--model.architecture.fuser.depth=0", "fuser.depth must be at least 1, got 0"),
+        ('--model.architecture.fuser={"type": "nope"}',
+         "fuser.type must be one of ['cell_steps', 'fusion_stack', 'map_program'], got 'nope'"),
+    ],
+    ids=["depth 0", "unknown type"],
+)
+def test_a_bad_part_option_is_one_line_naming_it(tmp_path, capsys, option, line):
+    err = error_of(capsys, fit_args(tmp_path, "--trainer.fast_dev_run=true", option))
+    assert err == f"vlfuse: error: {line}"
+
+
 def test_a_missing_weights_file_is_named(tmp_path, capsys):
     err = error_of(capsys, fit_args(
         tmp_path, "--trainer.fast_dev_run=true", "--model.architecture.image.pretrained=true",

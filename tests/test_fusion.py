@@ -1,8 +1,10 @@
 import pytest
 import torch
+from torch import nn
 
 from vlfuse import FusionBlock, FusionStack
-from vlfuse.layers import SwiGLU
+from vlfuse.layers import MLP_LAYERS, Mlp, SelfAttention, SwiGLU
+from vlfuse.layers.fusion import mlp_layer_class
 
 
 def data(b=2, lt=6, li=9, dim=32, kv_dim=24, seed=0):
@@ -118,17 +120,69 @@ def test_swiglu_mlp_follows_its_definition():
     torch.testing.assert_close(mlp(x), expected)
 
 
-@pytest.mark.parametrize("mlp_type, inner_width", [("gelu", 64), ("swiglu", 128)])
-def test_block_builds_the_mlp_asked_for_and_trains(mlp_type, inner_width):
+@pytest.mark.parametrize("mlp_layer, inner_width", [("gelu", 64), ("swiglu", 128)])
+def test_block_builds_the_mlp_asked_for_and_trains(mlp_layer, inner_width):
     torch.manual_seed(0)
-    block = FusionBlock(32, 4, kv_dim=24, mlp_ratio=2.0, gated=False, mlp_type=mlp_type)
-    first = block.mlp.inner if mlp_type == "swiglu" else block.mlp[0]
+    block = FusionBlock(32, 4, kv_dim=24, mlp_ratio=2.0, gated=False, mlp_layer=mlp_layer)
+    assert type(block.mlp) is MLP_LAYERS[mlp_layer]
+    first = block.mlp.inner if mlp_layer == "swiglu" else block.mlp[0]
     assert first.out_features == inner_width
     x, img = data()
     block(x, img).square().sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in block.mlp.parameters())
-    with pytest.raises(ValueError, match="mlp_type must be one of"):
-        FusionBlock(32, 4, mlp_type="relu")
+    with pytest.raises(ValueError, match=r"mlp_layer must be one of \('gelu', 'swiglu'\) or an nn.Module class, got 'relu'"):
+        FusionBlock(32, 4, mlp_layer="relu")
+
+
+def test_mlp_layers_by_name():
+    assert MLP_LAYERS == {"gelu": Mlp, "swiglu": SwiGLU}
+    assert mlp_layer_class("gelu") is Mlp and mlp_layer_class("swiglu") is SwiGLU and mlp_layer_class(SwiGLU) is SwiGLU
+    assert FusionBlock(32, 4).mlp.__class__ is Mlp  # the default
+    # The GELU MLP keeps the weight names of saved models: a Sequential's 0.* and 2.*.
+    assert list(Mlp(32, 64).state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert isinstance(Mlp(32, 64)[1], nn.GELU)
+    with pytest.raises(ValueError, match=r"mlp_layer must be one of \('gelu', 'swiglu'\)"):
+        mlp_layer_class("SwiGLU")
+
+
+class ScaledIdentity(nn.Module):
+    """A test MLP: ``scale * x``, built as ``cls(dim, hidden)`` like every MLP of a block."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.dim, self.hidden = dim, hidden
+        self.scale = nn.Parameter(torch.full((dim,), 2.0))
+
+    def forward(self, x):
+        return self.scale * x
+
+
+def test_block_builds_an_mlp_class_it_is_given_and_runs_it():
+    torch.manual_seed(0)
+    block = FusionBlock(32, 4, kv_dim=24, mlp_ratio=1.5, gated=False, self_attention=False, mlp_layer=ScaledIdentity).eval()
+    assert isinstance(block.mlp, ScaledIdentity) and (block.mlp.dim, block.mlp.hidden) == (32, 48)
+    x, img = data()
+    after_attention = x + block.cross_attn(block.norm_cross(x), img)
+    torch.testing.assert_close(block(x, img), after_attention + 2.0 * block.norm_mlp(after_attention), atol=1e-5, rtol=0)
+    stack = FusionStack(2, 32, 4, kv_dim=24, mlp_layer=ScaledIdentity)
+    assert all(isinstance(b.mlp, ScaledIdentity) for b in stack.blocks)
+
+
+def test_the_text_self_attention_of_a_block_is_a_self_attention_under_the_text_mask():
+    torch.manual_seed(0)
+    block = FusionBlock(32, 4, kv_dim=24, gated=False).eval()
+    assert type(block.self_attn) is SelfAttention
+    x, img = data()
+    text_mask = torch.ones(2, 6, dtype=torch.bool)
+    text_mask[0, 4:] = False
+    # The first branch by hand: x + self_attn(norm(x), mask), then the rest of the block.
+    expected_rows = x + block.self_attn(block.norm_self(x), mask=text_mask)
+    no_self = FusionBlock(32, 4, kv_dim=24, gated=False, self_attention=False).eval()
+    no_self.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith(("self_attn", "norm_self"))})
+    out = block(x, img, text_mask=text_mask)
+    expected = no_self(expected_rows, img, text_mask=text_mask)
+    torch.testing.assert_close(out[text_mask], expected[text_mask], atol=1e-5, rtol=0)
+    assert torch.equal(out[~text_mask], x[~text_mask])  # padding passes through
 
 
 def test_stack_head_masks_reach_each_layer():
@@ -143,3 +197,21 @@ def test_stack_head_masks_reach_each_layer():
     torch.testing.assert_close(masked, pruned)
     with pytest.raises(ValueError, match="head masks for 1 layers, the stack has 2"):
         stack(x, image, head_masks=[None])
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_text_without_a_real_token_passes_through_a_block_and_a_stack(need_weights):
+    """No real token at all (every row padding): nothing to attend from, so the text comes back as it was."""
+    torch.manual_seed(0)
+    block = FusionBlock(32, 4, kv_dim=16, gated=False).eval()
+    stack = FusionStack(2, 32, 4, kv_dim=16, gated=False).eval()
+    x, image = torch.randn(2, 5, 32), torch.randn(2, 7, 16)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    out = block(x, image, text_mask=mask, need_weights=need_weights)
+    out, weights = out if need_weights else (out, None)
+    torch.testing.assert_close(out, x, rtol=0, atol=0)
+    if need_weights:
+        assert weights.shape == (2, 4, 5, 7) and not weights.any()
+    fused, stack_weights = stack(x, image, text_mask=mask, weights_from=[1] if need_weights else [])
+    torch.testing.assert_close(fused, x, rtol=0, atol=0)
+    assert set(stack_weights) == ({1} if need_weights else set())

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlfuse import CrossAttention, FusionBlock
+from vlfuse import FusionBlock
+from vlfuse.layers import SelfAttention
 from vlfuse.layers import local_attention
 from vlfuse.layers.local_attention import (
     LocalSelfAttention,
@@ -196,8 +197,8 @@ def test_local_self_attention_attends_only_within_its_layout(normalizer, output_
     assert torch.all(w[:, :, ~layout.dense()] == 0)
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 9))
     torch.testing.assert_close(attn(x), out, atol=1e-5, rtol=0)  # the fast path (local_self_attention)
-    attn.use_sdpa = False
-    torch.testing.assert_close(attn(x, x), out, atol=1e-5, rtol=0)
+    attn.use_sdpa = False  # the explicit path: a padding mask with every token real leaves the fast one
+    torch.testing.assert_close(attn(x, mask=torch.ones(2, 9, dtype=torch.bool)), out, atol=1e-5, rtol=0)
     # A token beyond a query's window does not change that query's output.
     far = x.clone()
     far[:, 5:] += 10.0
@@ -213,7 +214,7 @@ def test_window_plus_padding_leaves_queries_without_keys_at_zero_without_nan(nor
     x = torch.randn(2, 8, 32, requires_grad=True)
     padding = torch.ones(2, 8, dtype=torch.bool)
     padding[0, 3:] = False  # queries 5, 6 and 7 of row 0 see only padding within +-2
-    out = attn(x, context_mask=padding)
+    out = attn(x, mask=padding)
     assert torch.isfinite(out).all()
     assert torch.all(out[0, 5:] == 0) and torch.all(out[0, :5].abs().sum(-1) > 0)
     out.pow(2).sum().backward()
@@ -225,20 +226,25 @@ def test_window_plus_padding_leaves_queries_without_keys_at_zero_without_nan(nor
     kept = torch.ones(2, 8, 1, dtype=torch.bool)
     kept[0, 5:] = False
     expected = torch.where(kept, expected, 0.0)  # the reference's softmax over no key is NaN there
-    torch.testing.assert_close(attn(x, context_mask=padding), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(attn(x, mask=padding), expected, atol=1e-5, rtol=0)
 
 
 def test_a_full_self_attention_loads_into_a_local_one_and_a_full_layout_matches_it():
-    """Same parameter names as CrossAttention: it stands in for a CrossAttention used as self-attention."""
+    """A SelfAttention with a layout: the same parameter names and call, so it stands in for one."""
     torch.manual_seed(0)
-    full = CrossAttention(32, 4, output_gate=True).eval()
+    full = SelfAttention(32, 4, output_gate=True).eval()
     local = LocalSelfAttention(32, 4, layout=sliding_window(7, 6), output_gate=True).eval()  # every pair
+    assert isinstance(local, SelfAttention)
     local.load_state_dict(full.state_dict())
     x = torch.randn(3, 7, 32)
     padding = torch.ones(3, 7, dtype=torch.bool)
     padding[1, 4:] = False
-    torch.testing.assert_close(local(x, x, context_mask=padding), full(x, x, context_mask=padding), atol=1e-5, rtol=0)
-    torch.testing.assert_close(local(x), full(x, x), atol=1e-5, rtol=0)
+    torch.testing.assert_close(local(x, mask=padding), full(x, mask=padding), atol=1e-5, rtol=0)
+    torch.testing.assert_close(local(x), full(x), atol=1e-5, rtol=0)
+    out, w = local(x, mask=padding, need_weights=True)
+    expected, expected_w = full(x, mask=padding, need_weights=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w, expected_w, atol=1e-5, rtol=0)
     local.prune_heads([2])
     assert local.num_heads == 3 and local(x).shape == (3, 7, 32)
     assert "sliding window +-6" in repr(local)
@@ -270,10 +276,14 @@ def test_local_self_attention_errors_name_the_problem():
     x = torch.randn(2, 6, 32)
     with pytest.raises(ValueError, match=r"x must be \(batch, 6, 32\) for 'sliding window \+-1', got shape \(2, 7, 32\)"):
         attn(torch.randn(2, 7, 32))
-    with pytest.raises(ValueError, match="attends within x"):
+    with pytest.raises(TypeError):  # no context argument: it attends within x
         attn(x, torch.randn(2, 6, 32))
-    with pytest.raises(ValueError, match="context_mask must be a bool tensor"):
-        attn(x, context_mask=torch.ones(2, 6))
+    with pytest.raises(TypeError):
+        attn(x, context_mask=torch.ones(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        attn(x, mask=torch.ones(2, 6))
+    with pytest.raises(ValueError, match=r"mask must have shape \(batch, .*\) = \(2, 6\), got \(2, 5\)"):
+        attn(x, mask=torch.ones(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="width 16"):
         attn(torch.randn(2, 6, 16))
 

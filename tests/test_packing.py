@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from vlfuse import FusionStack
+from vlfuse.layers import PackedTokens
 from vlfuse.layers.packing import ContextGroups, TokenPacking
 
 ATOL = 1e-5
@@ -55,10 +56,61 @@ def test_equal_sorted_groups_are_laid_out_in_place():
     assert not ContextGroups(torch.tensor([1, 1, 0, 0, 2, 2]), num_contexts=3).in_place
 
 
+IMAGE_INDEX = torch.tensor([2, 0, 2, 1, 0, 2])
+"""The image of each of :func:`padded_questions`' rows (3 images, unsorted, one row without tokens)."""
+
+
+def test_packed_tokens_go_back_to_their_rows_with_zeros_at_padding():
+    x, mask = padded_questions()
+    layout = PackedTokens.of(x, mask, IMAGE_INDEX, num_images=3)
+    assert len(layout) == int(mask.sum()) and (layout.batch, layout.length) == mask.shape
+    rows = layout.to_rows(layout.pack(x))
+    assert rows.shape == x.shape
+    assert torch.equal(rows[mask], x[mask]) and torch.all(rows[~mask] == 0)
+    # Any width: e.g. one value per token and head.
+    per_head = torch.arange(len(layout) * 4.0).view(-1, 4)
+    back = layout.to_rows(per_head)
+    assert back.shape == (6, 6, 4) and torch.equal(back[mask], per_head) and torch.all(back[~mask] == 0)
+    # Without a mask every token is real: to_rows is the inverse of pack.
+    full = PackedTokens.of(x, None, None, num_images=6)
+    assert len(full) == 36 and torch.equal(full.to_rows(full.pack(x)), x)
+
+
+def test_packed_tokens_expand_a_per_row_head_mask_to_one_row_per_token():
+    x, mask = padded_questions()
+    layout = PackedTokens.of(x, mask, IMAGE_INDEX, num_images=3)
+    head_mask = torch.rand(6, 4, generator=torch.Generator().manual_seed(0))
+    per_token = layout.per_token(head_mask)
+    assert per_token.shape == (len(layout), 4)
+    expected = torch.cat([head_mask[i].expand(n, 4) for i, n in enumerate(mask.sum(1).tolist())])
+    assert torch.equal(per_token, expected)
+    shared = torch.rand(4)
+    assert layout.per_token(shared) is shared and layout.per_token(None) is None  # (H,) and None as given
+
+
+def test_packed_tokens_group_the_tokens_by_the_image_they_read():
+    x, mask = padded_questions()
+    layout = PackedTokens.of(x, mask, IMAGE_INDEX, num_images=3)
+    groups = layout.groups
+    assert isinstance(groups, ContextGroups) and groups.num_contexts == 3
+    assert torch.equal(groups.context, IMAGE_INDEX[layout.rows])
+    grouped = groups.group(layout.pack(x))  # (3, Lg, dim)
+    counts = [int(mask[IMAGE_INDEX == image].sum()) for image in range(3)]
+    assert groups.size == max(counts) and grouped.shape == (3, max(counts), 32)
+    for image, count in enumerate(counts):
+        # The real tokens of the image's rows, row by row, then zeros.
+        expected = torch.cat([x[i][mask[i]] for i in range(6) if IMAGE_INDEX[i] == image])
+        assert torch.equal(grouped[image, :count], expected) and torch.all(grouped[image, count:] == 0)
+    assert torch.equal(groups.ungroup(grouped), layout.pack(x))
+    # Without an image index, row i reads image i.
+    own = PackedTokens.of(x, mask, None, num_images=6)
+    assert torch.equal(own.groups.context, own.rows)
+
+
 @pytest.fixture
 def stack_and_images():
     torch.manual_seed(0)
-    stack = FusionStack(2, 32, 4, kv_dim=24, gated=False, output_gate=True, mlp_type="swiglu").eval()
+    stack = FusionStack(2, 32, 4, kv_dim=24, gated=False, output_gate=True, mlp_layer="swiglu").eval()
     images = torch.randn(3, 9, 24, generator=torch.Generator().manual_seed(1))
     return stack, images
 

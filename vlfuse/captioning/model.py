@@ -29,7 +29,7 @@ class CaptionConfig:
         depth: number of decoder blocks.
         heads: attention heads of every decoder attention (causal self-attention and cross-attention).
         mlp_ratio: hidden width of the decoder MLPs as a multiple of ``dim``.
-        mlp_type: ``gelu`` or ``swiglu`` (see :func:`vlfuse.layers.fusion.build_mlp`).
+        mlp_type: ``gelu`` or ``swiglu`` (a name of :data:`vlfuse.layers.MLP_LAYERS`).
         dropout: dropout on the embeddings and the residual branches.
         attn_dropout: dropout on the attention weights.
         gated: the cross-attention and MLP branches go through tanh gates initialised to 0 (Flamingo's

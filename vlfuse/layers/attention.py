@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal
+from typing import Callable, ClassVar, Iterable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -228,7 +228,10 @@ class MultiHeadAttention(nn.Module):
     Attributes:
         use_sdpa: set to False for the explicit reference path.
         head_ids: original indices of the heads still present, in the order of the weight rows.
+        attends_itself: the keys and values come from the queries' own sequence (class attribute).
     """
+
+    attends_itself: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -372,10 +375,17 @@ class MultiHeadAttention(nn.Module):
         self.head_ids = [self.head_ids[i] for i in keep]
 
     @classmethod
-    def from_torch(cls, mha: nn.MultiheadAttention) -> "MultiHeadAttention":
-        """Copy the weights of a ``batch_first`` :class:`nn.MultiheadAttention` (``kdim``/``vdim`` too)."""
+    def from_torch(cls, mha: nn.MultiheadAttention, **options) -> "MultiHeadAttention":
+        """Copy the weights of a ``batch_first`` :class:`nn.MultiheadAttention` (``kdim``/``vdim`` too);
+        ``options`` go to the constructor (e.g. a local attention's ``layout``)."""
         weights = _weights_of_torch_attention(mha)
-        options = {"kv_dim": mha.kdim} if mha.kdim != mha.embed_dim else {}
+        if mha.kdim != mha.embed_dim:
+            if cls.attends_itself:
+                raise ValueError(
+                    f"{cls.__name__} attends a sequence over itself: it needs kdim == vdim == embed_dim "
+                    f"({mha.embed_dim}), got kdim={mha.kdim} (CrossAttention.from_torch copies this layer)"
+                )
+            options["kv_dim"] = mha.kdim
         attn = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias="q_proj.bias" in weights, **options)
         attn.load_state_dict(weights)
         return attn.to(mha.out_proj.weight.device, mha.out_proj.weight.dtype)
@@ -455,7 +465,7 @@ class CrossAttention(MultiHeadAttention):
             layout.pack(x), kv, layout.groups, need_weights=need_weights, head_mask=layout.per_token(head_mask)
         )
         out = layout.unpack(out, x)  # (B, Lq, dim)
-        weights = None if weights is None else weights.view(b, lq, h, -1).transpose(1, 2)  # (B, H, Lq, Lk)
+        weights = None if weights is None else weights.view(b, lq, h, kv.key.shape[2]).transpose(1, 2)  # (B, H, Lq, Lk)
         return (out, weights) if need_weights else out
 
     def attend_packed(
@@ -489,7 +499,7 @@ class CrossAttention(MultiHeadAttention):
         out, weights = self.core(q, kv.key, kv.value, None if key_mask is None else key_mask.attend, need_weights)
         merged = groups.ungroup(out.transpose(1, 2).reshape(groups.num_contexts, groups.size, h * hd))  # (N, H * hd)
         if weights is not None:
-            weights = groups.ungroup(weights.transpose(1, 2).flatten(2)).view(n, h, -1)  # (N, H, Lk)
+            weights = groups.ungroup(weights.transpose(1, 2).flatten(2)).view(n, h, kv.key.shape[2])  # (N, H, Lk)
         out = self.project_out(merged, tokens, head_mask)  # (N, dim)
         if key_mask is not None:
             out, weights = key_mask.zero_empty(out, weights, rows=groups.context)
@@ -505,6 +515,8 @@ class SelfAttention(MultiHeadAttention):
         dropout, bias, normalizer, output_gate: see :class:`MultiHeadAttention`.
     """
 
+    attends_itself = True
+
     def __init__(
         self,
         dim: int,
@@ -516,6 +528,17 @@ class SelfAttention(MultiHeadAttention):
         output_gate: bool = False,
     ) -> None:
         super().__init__(dim, num_heads, dropout=dropout, bias=bias, normalizer=normalizer, output_gate=output_gate)
+
+    def check_tokens(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """``x`` must be ``(B, L, dim)`` and ``mask``, if any, a bool ``(B, L)``: a ``ValueError`` names them."""
+        if x.dim() != 3:
+            raise ValueError(f"x must be (batch, length, {self.dim}), got shape {tuple(x.shape)}")
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x has width {x.shape[-1]}, but this layer expects dim={self.dim}")
+        if mask is not None and mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor (True for real tokens), got dtype {mask.dtype}")
+        if mask is not None and mask.shape != x.shape[:2]:
+            raise ValueError(f"mask must have shape (batch, length) = {tuple(x.shape[:2])}, got {tuple(mask.shape)}")
 
     def forward(
         self, x: torch.Tensor, *, mask: torch.Tensor | None = None, need_weights: bool = False
@@ -529,6 +552,7 @@ class SelfAttention(MultiHeadAttention):
         Returns:
             ``(B, L, dim)``, or ``(output, weights)`` when ``need_weights`` is set.
         """
+        self.check_tokens(x, mask)
         kv = self.project_context(x, mask)
         key_mask = None if mask is None else KeyMask(mask[:, None, :])  # over (B, 1, L)
         out, weights = self.attend(x, kv.key, kv.value, key_mask, need_weights=need_weights)

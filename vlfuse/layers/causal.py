@@ -64,6 +64,8 @@ class CausalSelfAttention(MultiHeadAttention):
         dropout, bias, normalizer, output_gate: see :class:`~vlfuse.layers.attention.MultiHeadAttention`.
     """
 
+    attends_itself = True
+
     def __init__(
         self,
         dim: int,

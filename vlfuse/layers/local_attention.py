@@ -370,6 +370,7 @@ class LocalSelfAttention(SelfAttention):
         if x.dim() != 3 or x.shape[1] != self.layout.length:
             raise ValueError(f"x must be (batch, {self.layout.length}, {self.dim}) for {self.layout.name!r}, "
                              f"got shape {tuple(x.shape)}")
+        self.check_tokens(x, mask)
         kv = self.project_context(x, mask)
         if mask is None and self.normalize is softmax_normalize and not need_weights:
             q = self.split_heads(self.q_proj(x))  # (B, H, L, hd)

@@ -85,14 +85,15 @@ class ContextGroups:
 
     def group(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(N, C) -> (Bc, Lg, C)``, zeros in the unused slots."""
+        width = tokens.shape[1]  # explicit: a view of no token cannot infer it
         if self.in_place:
-            return tokens.view(self.num_contexts, self.size, -1)
-        grouped = tokens.new_zeros(self.num_contexts * self.size, tokens.shape[1])
-        return grouped.index_copy(0, self.destination, tokens).view(self.num_contexts, self.size, -1)
+            return tokens.view(self.num_contexts, self.size, width)
+        grouped = tokens.new_zeros(self.num_contexts * self.size, width)
+        return grouped.index_copy(0, self.destination, tokens).view(self.num_contexts, self.size, width)
 
     def ungroup(self, grouped: torch.Tensor) -> torch.Tensor:
         """``(Bc, Lg, C) -> (N, C)``."""
-        flat = grouped.reshape(self.num_contexts * self.size, -1)
+        flat = grouped.reshape(self.num_contexts * self.size, grouped.shape[-1])
         return flat if self.in_place else flat.index_select(0, self.destination)
 
 
