@@ -1,4 +1,4 @@
-"""The bilinear readout (the easy-VQA default): it learns products the pooled readout cannot, and
+"""The bilinear head (the easy-VQA default): it learns products the pooled head cannot, and
 keeps every guarantee of a fusion model (gradients, save/load, pruning, head scores)."""
 
 import pytest
@@ -8,10 +8,9 @@ import torch.nn.functional as F
 from vlfuse.analysis.head_scores import score_heads
 from vlfuse.analysis.pruning import heads_to_prune, prune_model
 from vlfuse.model import VLFuseModel
-from vlfuse.readouts import BilinearReadout, PoolReadout
-from vlfuse.readouts.bilinear import QuadraticForms
+from vlfuse.heads import BilinearConfig, BilinearHead, PooledHead, QuadraticForms
 
-from conftest import logits, make_model, parameters_without_gradient, tiny_config
+from conftest import logits, make_model, parameters_without_gradient
 
 
 def xor_of_a_match(n: int, colours: int = 6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,27 +27,26 @@ def xor_of_a_match(n: int, colours: int = 6, seed: int = 0) -> tuple[torch.Tenso
     return states[:, None, :], answers
 
 
-def train_readout(readout: torch.nn.Module, steps: int = 300) -> float:
+def train_head(head: torch.nn.Module, steps: int = 300) -> float:
     """Accuracy on held-out states after ``steps`` of Adam on the toy task."""
     states, answers = xor_of_a_match(512)
     mask = torch.ones(states.shape[:2], dtype=torch.bool)
-    opt = torch.optim.Adam(readout.parameters(), lr=0.01)
+    opt = torch.optim.Adam(head.parameters(), lr=0.01)
     for _ in range(steps):
         opt.zero_grad()
-        F.cross_entropy(readout(states, mask), answers).backward()
+        F.cross_entropy(head(states, mask), answers).backward()
         opt.step()
     test_states, test_answers = xor_of_a_match(512, seed=1)
     with torch.no_grad():
-        predicted = readout.eval()(test_states, torch.ones(test_states.shape[:2], dtype=torch.bool)).argmax(-1)
+        predicted = head.eval()(test_states, torch.ones(test_states.shape[:2], dtype=torch.bool)).argmax(-1)
     return (predicted == test_answers).float().mean().item()
 
 
-def test_the_bilinear_readout_learns_a_negated_comparison_that_the_pooled_readout_cannot(one_thread):
-    config = tiny_config(fusion_dim=13, dropout=0.0)
+def test_the_bilinear_head_learns_a_negated_comparison_that_the_pooled_head_cannot(one_thread):
     torch.manual_seed(0)
-    bilinear = train_readout(BilinearReadout(config, ["no", "yes"], text_width=13, grid_size=(1, 1)))
+    bilinear = train_head(BilinearHead(13, 2, dropout=0.0))
     torch.manual_seed(0)
-    pooled = train_readout(PoolReadout(config, ["no", "yes"], text_width=13, grid_size=(1, 1)))
+    pooled = train_head(PooledHead(13, 2, dropout=0.0))
     assert bilinear > 0.97
     assert pooled < 0.8  # a linear function of the state: about the 3/4 that one feature gives
 
@@ -64,28 +62,30 @@ def test_quadratic_forms_compute_what_nn_bilinear_computes_on_a_vector_and_itsel
 
 
 def test_the_products_start_at_zero_and_every_parameter_gets_a_gradient():
-    model, batch = make_model(readout="bilinear", gated=False)  # tanh gates at 0 would block the image side
-    assert torch.count_nonzero(model.readout.products.weight) == 0
+    model, batch = make_model(head={"type": "bilinear"}, fuser={"gated": False})  # tanh gates at 0 would block the image side
+    assert isinstance(model.head, BilinearHead)
+    assert torch.count_nonzero(model.head.products.weight) == 0
     F.cross_entropy(logits(model, batch), batch["labels"]).backward()
     missing = parameters_without_gradient(model)
     assert missing == []
 
 
 def test_a_bilinear_model_saves_and_loads_with_identical_logits(tmp_path):
-    model, batch = make_model(readout="bilinear")
+    model, batch = make_model(head={"type": "bilinear"})
     with torch.no_grad():
-        model.readout.products.weight.normal_()  # trained-looking, not the zero start
+        model.head.products.weight.normal_()  # trained-looking, not the zero start
     loaded = VLFuseModel.from_pretrained(model.save_pretrained(tmp_path / "model"))
-    assert loaded.config.readout == "bilinear"
+    assert loaded.config.head == BilinearConfig(dropout=0.0)
+    assert isinstance(loaded.head, BilinearHead)
     with torch.no_grad():
         torch.testing.assert_close(logits(loaded.eval(), batch), logits(model.eval(), batch), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("score", ["gradient", "ablation"])
 def test_heads_of_a_bilinear_model_are_scored_and_pruned(score):
-    model, batch = make_model(readout="bilinear")
+    model, batch = make_model(head={"type": "bilinear"})
     scores = score_heads(model.eval(), score, [batch])
     assert scores.shape == (2, 16) and torch.isfinite(scores).all()
     pruned = prune_model(model, heads_to_prune(scores, fraction=0.25))
-    assert sum(block.cross_attn.num_heads for block in pruned.fusion.blocks) == 24
+    assert sum(block.cross_attn.num_heads for block in pruned.fuser.stack.blocks) == 24
     assert logits(pruned.eval(), batch).shape == logits(model, batch).shape

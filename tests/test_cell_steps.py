@@ -1,33 +1,38 @@
-"""The cell-steps readout (configs/shapes_fusion.yaml): a one-number state per grid cell,
-updated word by word by one shared 16-head fusion block."""
+"""The cell-steps fuser (configs/shapes_fusion.yaml): a one-number state per grid cell, updated word
+by word by one shared 16-head fusion block, read by the existence head. The shared block's
+cross-attention is the fuser's one attention layer: its heads are masked, drawn and pruned."""
+
+import copy
 
 import pytest
 import torch
 
 from vlfuse.encoders import TextEncoderConfig
+from vlfuse.fusers import CellStepsConfig, CellStepsFuser
+from vlfuse.heads import ExistenceHead
 from vlfuse.model import VLFuseModel
-from vlfuse.readouts.cell_steps import CellStepsReadout
 
-from conftest import parameters_without_gradient, reader_config
+from conftest import parameters_without_gradient, reader_config, tiny_config
 
 QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a circle red"]
 
 
 def cell_steps_model() -> VLFuseModel:
-    config = reader_config(readout="cell_steps", mlp_type="swiglu", output_gate=True, dropout=0.0)
+    config = reader_config("cell_steps", mlp="swiglu", output_gate=True, dropout=0.0)
     torch.manual_seed(0)
     return VLFuseModel.from_config(config, ["false", "true"], QUESTIONS)
 
 
-def answer(model: VLFuseModel, pixels: torch.Tensor, questions: list[str], index: torch.Tensor) -> torch.Tensor:
-    tokens = model.tokenize(questions)
-    return model(pixels, tokens["input_ids"], tokens["attention_mask"], image_index=index).logits
+def answer(model: VLFuseModel, pixels: torch.Tensor, questions: list[str], index: torch.Tensor, **kwargs):
+    tokens = model.processor.tokenize(questions)
+    return model(pixels, tokens["input_ids"], tokens["attention_mask"], image_index=index, **kwargs)
 
 
 def test_every_parameter_gets_a_gradient_and_the_step_has_16_heads():
     model = cell_steps_model()
-    assert isinstance(model.readout, CellStepsReadout) and model.readout.step.cross_attn.num_heads == 16
-    logits = answer(model, torch.rand(2, 3, 32, 32), QUESTIONS, torch.tensor([0, 1, 1]))
+    assert isinstance(model.fuser, CellStepsFuser) and isinstance(model.head, ExistenceHead)
+    assert model.fuser.step.cross_attn.num_heads == 16
+    logits = answer(model, torch.rand(2, 3, 32, 32), QUESTIONS, torch.tensor([0, 1, 1])).logits
     assert logits.shape == (3, 2) and torch.isfinite(logits).all()
     torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 1])).backward()
     unused = "text_encoder.model.embeddings."  # it reads word embeddings only: no positions, no embedding norm
@@ -40,17 +45,17 @@ def test_padding_of_the_question_does_not_change_the_answer():
     model = cell_steps_model().eval()
     pixels = torch.rand(3, 3, 32, 32)
     with torch.no_grad():
-        together = answer(model, pixels, QUESTIONS, torch.arange(3))  # padded to the longest question
+        together = answer(model, pixels, QUESTIONS, torch.arange(3)).logits  # padded to the longest question
         for i, question in enumerate(QUESTIONS):
-            alone = answer(model, pixels[i : i + 1], [question], torch.zeros(1, dtype=torch.long))
+            alone = answer(model, pixels[i : i + 1], [question], torch.zeros(1, dtype=torch.long)).logits
             torch.testing.assert_close(alone[0], together[i], atol=1e-5, rtol=0)
 
 
 def test_the_answer_is_the_existence_of_the_final_set():
     """An empty set (every cell's m near 0) answers false; the full start set answers true."""
-    readout = cell_steps_model().readout
-    full = readout.existence(torch.logsumexp(torch.zeros(1, 16), dim=1))
-    empty = readout.existence(torch.logsumexp(torch.full((1, 16), -30.0), dim=1))
+    head = cell_steps_model().head
+    full = head(torch.logsumexp(torch.zeros(1, 16), dim=1), None)
+    empty = head(torch.logsumexp(torch.full((1, 16), -30.0), dim=1), None)
     assert full.argmax(-1).item() == 1 and empty.argmax(-1).item() == 0
 
 
@@ -58,18 +63,93 @@ def test_saves_and_loads_with_identical_logits(tmp_path):
     model = cell_steps_model().eval()
     pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
     loaded = VLFuseModel.from_pretrained(model.save_pretrained(tmp_path / "model")).eval()
-    assert loaded.config.readout == "cell_steps"
+    assert loaded.config.fuser == CellStepsConfig(mlp="swiglu", output_gate=True, dropout=0.0)
+    assert loaded.config.head.type == "existence"
     with torch.no_grad():
-        torch.testing.assert_close(answer(loaded, pixels, QUESTIONS, index), answer(model, pixels, QUESTIONS, index), rtol=0, atol=0)
+        got = answer(loaded, pixels, QUESTIONS, index).logits
+        torch.testing.assert_close(got, answer(model, pixels, QUESTIONS, index).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("answers", [["no", "yes", "red"], ["yes"]])
 def test_it_needs_two_answers(answers):
     with pytest.raises(ValueError, match="two answers|at least 2 answers"):
-        VLFuseModel.from_config(reader_config(readout="cell_steps"), answers, QUESTIONS)
+        VLFuseModel.from_config(reader_config("cell_steps"), answers, QUESTIONS)
 
 
 def test_it_refuses_text_layers_it_would_not_use():
-    config = reader_config(readout="cell_steps", text=TextEncoderConfig(width=32, depth=2, num_heads=2, max_length=16))
-    with pytest.raises(ValueError, match="readout 'cell_steps' .* set text.depth to 0"):
-        VLFuseModel.from_config(config, ["false", "true"], QUESTIONS)
+    text = TextEncoderConfig(width=32, depth=2, num_heads=2, max_length=16)
+    with pytest.raises(ValueError, match="fuser 'cell_steps' .* set text.depth to 0"):
+        tiny_config(text=text, fuser={"type": "cell_steps"}, head={"type": "existence"})
+
+
+# ------------------------------------------------------------------ its attention heads
+def test_its_one_attention_layer_is_the_shared_blocks_cross_attention():
+    model = cell_steps_model()
+    assert model.attention_layers == [model.fuser.step.cross_attn]
+    assert model.has_fusion_heads and model.num_fusion_layers == 1 and model.num_heads_built == 16
+    assert model.fusion_head_ids == [list(range(16))]
+
+
+def test_a_zero_head_mask_on_a_head_gives_the_logits_of_the_model_without_it():
+    model = cell_steps_model().eval()
+    pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
+    pruned = copy.deepcopy(model)
+    pruned.prune_heads({0: [5]})
+    mask = torch.ones(1, 16)
+    mask[0, 5] = 0.0
+    with torch.no_grad():
+        full = answer(model, pixels, QUESTIONS, index).logits
+        masked = answer(model, pixels, QUESTIONS, index, head_mask=mask).logits
+        without = answer(pruned, pixels, QUESTIONS, index).logits
+        per_question = mask.expand(3, 1, 16).clone()
+        per_question[1:] = 1.0  # only the first question loses the head
+        mixed = answer(model, pixels, QUESTIONS, index, head_mask=per_question).logits
+    torch.testing.assert_close(masked, without, atol=1e-5, rtol=0)
+    assert not torch.allclose(masked, full, atol=1e-5, rtol=0)  # the head matters: the test can fail
+    torch.testing.assert_close(mixed[0], without[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(mixed[1:], full[1:], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"head_mask must be \(layers, heads\) \(1, 16\)"):
+        answer(model, pixels, QUESTIONS, index, head_mask=torch.ones(2, 16))
+
+
+def test_its_attention_weights_are_rows_over_the_patches_zero_at_padding():
+    model = cell_steps_model().eval()
+    pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
+    tokens = model.processor.tokenize(QUESTIONS)
+    real = tokens["attention_mask"].bool()
+    assert not real.all()  # the questions differ in length: some positions are padding
+    with torch.no_grad():
+        out = answer(model, pixels, QUESTIONS, index, weights_from=[0])
+        plain = answer(model, pixels, QUESTIONS, index)
+    weights = out.attentions[0]
+    lt, cells = tokens["input_ids"].shape[1], 16  # a 4x4 grid of patches, no prefix token
+    assert set(out.attentions) == {0} and weights.shape == (3, 16, lt, cells)
+    assert (weights >= 0).all()
+    sums = weights.sum(-1)  # (Bq, H, Lt)
+    torch.testing.assert_close(sums[real[:, None, :].expand_as(sums)], torch.ones(int(real.sum()) * 16))
+    assert torch.equal(weights[~real[:, None, :].expand_as(sums)], torch.zeros(int((~real).sum()) * 16, cells))
+    torch.testing.assert_close(out.logits, plain.logits, atol=1e-6, rtol=0)  # drawing them changes nothing
+    with pytest.raises(ValueError, match=r"attention layers \[1\] out of range"):
+        answer(model, pixels, QUESTIONS, index, weights_from=[1])
+
+
+def test_prune_heads_removes_them_for_real_and_they_stay_removed_when_saved(tmp_path):
+    model = cell_steps_model().eval()
+    attention = model.fuser.step.cross_attn
+    before = sum(p.numel() for p in model.parameters())
+    q_rows = attention.q_proj.weight.shape[0]
+    model.prune_heads({0: [3, 7]})
+    attention = model.fuser.step.cross_attn
+    assert attention.num_heads == 14 and model.fusion_head_ids == [[h for h in range(16) if h not in (3, 7)]]
+    assert attention.q_proj.weight.shape[0] == q_rows * 14 // 16
+    assert attention.out_proj.weight.shape[1] == q_rows * 14 // 16
+    assert sum(p.numel() for p in model.parameters()) < before
+    assert model.config.pruned_heads == {"0": [3, 7]}
+    assert model.num_heads_built == 16  # head masks keep indexing original ids
+    pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
+    with torch.no_grad():
+        out = answer(model, pixels, QUESTIONS, index, weights_from=[0])
+        assert out.attentions[0].shape[1] == 14
+        loaded = VLFuseModel.from_pretrained(model.save_pretrained(tmp_path / "pruned")).eval()
+        assert loaded.fuser.step.cross_attn.num_heads == 14
+        torch.testing.assert_close(answer(loaded, pixels, QUESTIONS, index).logits, out.logits, rtol=0, atol=0)

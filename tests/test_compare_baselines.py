@@ -100,7 +100,8 @@ def tiny_config(tmp_path):
     config = yaml.safe_load((REPO / "configs" / "easy_vqa.yaml").read_text())
     config["model"]["architecture"]["image"].update(image_size=32, patch_size=8, width=32, depth=1, num_heads=2)
     config["model"]["architecture"]["text"].update(width=32, depth=1, num_heads=2)
-    config["model"]["architecture"].update(fusion_dim=32, fusion_depth=1)
+    config["model"]["architecture"]["fusion_dim"] = 32
+    config["model"]["architecture"]["fuser"].update(depth=1)
     config["data"]["init_args"].update(limit_images=8)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -31,13 +31,15 @@ def model_and_batch(architecture) -> tuple[VLFuseModel, dict]:
 
 
 def test_the_default_is_sixteen_heads_over_two_fusion_blocks(architecture):
-    assert (architecture.fusion_heads, architecture.fusion_depth) == (16, 2)
-    assert architecture.fusion_dim % architecture.fusion_heads == 0
+    assert (architecture.fuser.type, architecture.head.type) == ("fusion_stack", "bilinear")
+    assert (architecture.fuser.heads, architecture.fuser.depth) == (16, 2)
+    assert architecture.fusion_dim % architecture.fuser.heads == 0
+    assert architecture.fusion_dim // architecture.fuser.heads == 4
 
 
 def test_padded_questions_give_finite_scores_and_every_parameter_a_gradient(model_and_batch):
     model, batch = model_and_batch
-    lengths = model.tokenize(batch["questions"])["attention_mask"].sum(1)
+    lengths = model.processor.tokenize(batch["questions"])["attention_mask"].sum(1)
     assert lengths.min() < lengths.max()  # the batch pads some questions
     scores = logits(model.train(), batch)
     assert torch.isfinite(scores).all()
@@ -49,7 +51,7 @@ def test_padded_questions_give_finite_scores_and_every_parameter_a_gradient(mode
 def test_save_and_load_give_identical_scores(model_and_batch, tmp_path):
     model, batch = model_and_batch
     with torch.no_grad():
-        model.readout.products.weight.normal_()  # trained-looking, not the zero start
+        model.head.products.weight.normal_()  # trained-looking, not the zero start
     loaded = VLFuseModel.from_pretrained(model.save_pretrained(tmp_path / "model"))
     with torch.no_grad():
         torch.testing.assert_close(logits(loaded.eval(), batch), logits(model.eval(), batch), rtol=0, atol=1e-6)
@@ -60,5 +62,5 @@ def test_heads_are_scored_and_a_quarter_pruned(model_and_batch):
     scores = score_heads(model.eval(), "gradient", [batch])
     assert scores.shape == (2, 16) and torch.isfinite(scores).all()
     pruned = prune_model(model, heads_to_prune(scores, fraction=0.25))
-    assert sum(block.cross_attn.num_heads for block in pruned.fusion.blocks) == 24
+    assert sum(block.cross_attn.num_heads for block in pruned.fuser.stack.blocks) == 24
     assert torch.isfinite(logits(pruned.eval(), batch)).all()

@@ -46,7 +46,7 @@ def batches(model: VLFuseModel):
         (images[[1, 2]], ["is it red?", "is there a circle?"], torch.tensor([0, 1])),
     ]
     for pixels, questions, index in pairs:
-        tokens = model.tokenize(questions)
+        tokens = model.processor.tokenize(questions)
         yield pixels, tokens["input_ids"], tokens["attention_mask"], index
 
 
@@ -208,18 +208,17 @@ def test_an_image_neither_cached_nor_given_is_an_error_naming_it(one_thread):
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_the_token_cache_pads_each_batch_as_the_tokenizer_does_and_tokenizes_each_question_once(padding_side):
-    model = frozen_model(cache=True).train()
-    model.tokenizer.padding_side = padding_side
-    model.question_tokens.padding_side = padding_side
+    processor = frozen_model(cache=True).processor
+    processor.tokenizer.padding_side = padding_side
+    processor.token_cache.padding_side = padding_side
     batches = [["is it red?", "what colour is it?"], ["is it red?", "is it?", "is there a circle?", "is it red?"]]
     for questions in batches:
-        tokens = model.tokenize(questions)
-        expected = model.eval().tokenize(questions)  # eval mode: the tokenizer itself
-        model.train()
+        tokens = processor.tokenize(questions, cache=True)
+        expected = processor.tokenize(questions)  # no cache: the tokenizer itself
         assert tokens.keys() == expected.keys()
         for name in tokens:
             assert torch.equal(tokens[name], expected[name]), name
-    assert model.question_tokens.tokens.misses == 4  # distinct questions
+    assert processor.token_cache.tokens.misses == 4  # distinct questions
 
 
 @needs_minilm
@@ -238,12 +237,23 @@ def test_the_token_cache_pads_as_the_minilm_tokenizer_does():
 
 
 def test_training_keeps_the_tokens_of_each_question_cache_or_not_and_inference_keeps_none():
-    model = frozen_model(cache=False, freeze_text=False).train()
+    model = frozen_model(cache=False, freeze_text=False)
     assert model.text_encoder.cache is None
-    model.tokenize(QUESTIONS + QUESTIONS[:1])
-    assert len(model.question_tokens.tokens) == len(set(QUESTIONS))
-    model.eval().tokenize(["a question asked once, at inference"])
-    assert len(model.question_tokens.tokens) == len(set(QUESTIONS))
+    lit = VLFuseLitModule(model.config)
+    lit.use_model(model)
+    tokens = model.processor.token_cache.tokens
+
+    def batch(questions: list[str]) -> dict:
+        return {"pixel_values": torch.rand(1, 3, 32, 32), "questions": questions,
+                "image_index": torch.zeros(len(questions), dtype=torch.long)}
+
+    lit.train()(batch(QUESTIONS + QUESTIONS[:1]))  # a training step's forward
+    assert len(tokens) == len(set(QUESTIONS)) and tokens.misses == len(set(QUESTIONS))
+    with torch.no_grad():
+        lit.eval()(batch(["a question asked once, at inference"]))
+    assert len(tokens) == len(set(QUESTIONS))
+    model.processor.tokenize(["asked by a predictor"])  # the processor's default: no cache
+    assert len(tokens) == len(set(QUESTIONS))
 
 
 class StepLosses(Callback):
@@ -289,7 +299,7 @@ def test_training_with_the_cache_stops_decoding_after_the_first_epoch_and_gives_
 
 def test_frozen_encoders_are_in_eval_mode_from_the_start_as_lightning_never_calls_train():
     model = frozen_model(cache=False, freeze_text=True)  # built, never .train()-ed: as in `vlfuse fit`
-    assert model.training and model.fusion.training
+    assert model.training and model.fuser.training and model.head.training
     assert not model.image_encoder.vit.training and not model.text_encoder.model.training
 
 

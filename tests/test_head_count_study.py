@@ -34,16 +34,16 @@ def test_dry_run_prints_one_command_per_setting_and_seed(capsys):
     assert study.main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4
-    assert sum("--model.architecture.fusion_heads=4" in line for line in lines) == 2
+    assert sum("--model.architecture.fuser.heads=4" in line for line in lines) == 2
     assert all("--trainer.max_epochs=2" in line and "vlfuse.cli fit" in line for line in lines)
 
 
 @pytest.mark.parametrize(
     "study_name, expected",
     [
-        ("dropout", ["attn_dropout=0.0", "attn_dropout=0.1", "attn_dropout=0.3", "attn_dropout=0.5"]),
-        ("diversity", ["diversity_weight=0.0", "diversity_weight=0.1"]),
-        ("normalizer", ["attention_normalizer=softmax", "attention_normalizer=leaky_relu"]),
+        ("dropout", ["fuser.attn_dropout=0.0", "fuser.attn_dropout=0.1", "fuser.attn_dropout=0.3", "fuser.attn_dropout=0.5"]),
+        ("diversity", ["fuser.diversity_weight=0.0", "fuser.diversity_weight=0.1"]),
+        ("normalizer", ["fuser.normalizer=softmax", "fuser.normalizer=leaky_relu"]),
     ],
 )
 def test_option_studies_vary_their_option(study_name, expected):
@@ -60,7 +60,7 @@ class FakeFit:
 
     def __call__(self, command, **kwargs):
         self.calls.append(command)
-        heads, seed = int(option(command, "model.architecture.fusion_heads")), int(option(command, "seed_everything"))
+        heads, seed = int(option(command, "model.architecture.fuser.heads")), int(option(command, "seed_everything"))
         if heads in self.fail_heads:
             return SimpleNamespace(returncode=1)
         run_dir = Path(option(command, "trainer.default_root_dir"))
@@ -134,6 +134,7 @@ def test_a_tiny_real_run_records_the_val_accuracy_of_its_model_and_a_table(tiny_
     result = json.loads((out / "heads_2" / "seed0" / "result.json").read_text())
     # One epoch: the best val/acc is the exported model's accuracy on the val split, measured again here.
     model = VLFuseModel.from_pretrained(out / "heads_2" / "seed0" / "model")
+    assert (model.num_fusion_layers, model.num_heads_built) == (1, 2)  # the study's heads, the tiny run's one block
     datamodule = build_datamodule(CONFIG, [a for a in extra if a.startswith("--data.")])
     assert result["val_acc_best"] == pytest.approx(evaluate(model, load_batches(datamodule, model, "val")), abs=1e-6)
     assert result["test_acc"] is None  # --test_after_fit=false
@@ -147,7 +148,7 @@ def save_with_heads_edited(model_dir: Path, out: Path, *, sharpen=(), flatten=()
     attention: scores all 0), ``silence`` zeroes its columns of the output projection (no contribution)."""
     model = VLFuseModel.from_pretrained(model_dir)
     with torch.no_grad():
-        for block in model.fusion.blocks:
+        for block in model.fuser.stack.blocks:
             attn = block.cross_attn
             for heads, scale in ((sharpen, 100.0), (flatten, 0.0)):
                 for head in heads:

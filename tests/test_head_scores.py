@@ -60,7 +60,7 @@ def test_per_question_gates_refuse_another_batch_size(model, batches):
 # ------------------------------------------------------------------------------------ scores
 def test_weight_norm_scores_are_query_row_norms_by_original_id(model):
     scores = weight_norm_scores(model)
-    weight = model.fusion.blocks[1].cross_attn.q_proj.weight  # head_dim 2: head 3 owns rows 6 and 7
+    weight = model.fuser.stack.blocks[1].cross_attn.q_proj.weight  # head_dim 2: head 3 owns rows 6 and 7
     torch.testing.assert_close(scores[1, 3], weight[6:8].norm())
     pruned = prune_model(model, HEADS)
     after = weight_norm_scores(pruned)
@@ -76,7 +76,7 @@ def test_weight_norm_scores_are_query_row_norms_by_original_id(model):
 
 def test_gradient_score_equals_a_finite_difference_estimate():
     torch.manual_seed(0)
-    model = VLFuseModel.from_config(tiny_config(gated=False, fusion_heads=4), ANSWERS, QUESTIONS).double().eval()
+    model = VLFuseModel.from_config(tiny_config(fuser={"gated": False, "heads": 4}), ANSWERS, QUESTIONS).double().eval()
     batches = make_batches(seed=3)
     scores = gradient_scores(model, batches, normalize=False).double()
 

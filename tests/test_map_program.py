@@ -1,5 +1,7 @@
-"""MapProgramReader: offsets, the three operations on hand-set weights, padding, and the model readout."""
+"""MapProgramReader: offsets, the three operations on hand-set weights, padding, and the map-program
+fuser (``fuser: {type: map_program}`` with the existence head) in a model."""
 
+import dataclasses
 import json
 import math
 import re
@@ -12,11 +14,11 @@ from safetensors.torch import load_file, save_file
 from vlfuse.data.shapes import COLOURS, RELATIONS, SHAPES, evaluate, parse_query, sample_scenes, to_english
 from vlfuse.data.shapes import _shift as shift  # the dataset's own relation semantics
 from vlfuse.encoders import TextEncoderConfig
-from vlfuse.layers import MapProgramReader
-from vlfuse.model import FUSION_OPTIONS, VLFuseModel
-from vlfuse.readouts import OPERATIONS, ExistenceClassifier, relative_offsets
+from vlfuse.fusers import OPERATIONS, FusionStackConfig, MapProgramConfig, MapProgramFuser, MapProgramReader, relative_offsets
+from vlfuse.heads import ExistenceHead
+from vlfuse.model import VLFuseModel
 
-from conftest import REPO, reader_config
+from conftest import REPO, reader_config, tiny_config
 
 DIM = 8
 SHARP = 60.0  # large enough that every softmax and sigmoid below is one-hot / 0-1 to float precision
@@ -124,16 +126,17 @@ def test_wrong_grid_is_named():
 QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a circle red"]
 
 
-def test_model_with_map_readout_trains_saves_and_reloads(tmp_path):
+def test_model_with_the_map_program_fuser_trains_saves_and_reloads(tmp_path):
     torch.manual_seed(0)
     model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS)
-    assert model.readout.reader.grid_size == (4, 4) and not model.has_fusion_heads and model.num_fusion_layers == 0
-    batch = model.tokenize(QUESTIONS)
+    assert isinstance(model.fuser, MapProgramFuser) and isinstance(model.head, ExistenceHead)
+    assert model.fuser.reader.grid_size == (4, 4) and not model.has_fusion_heads and model.num_fusion_layers == 0
+    batch = model.processor.tokenize(QUESTIONS)
     pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
     out = model(pixels, batch["input_ids"], batch["attention_mask"], image_index=index)
     assert out.logits.shape == (3, 2)
     out.logits[:, 1].sum().backward()
-    assert model.readout.reader.find_key[0].weight.grad.abs().sum() > 0  # the image reaches the answer through the reader
+    assert model.fuser.reader.find_key[0].weight.grad.abs().sum() > 0  # the image reaches the answer through the reader
     assert model.text_encoder.model.get_input_embeddings().weight.grad.abs().sum() > 0  # and the words
     assert model.image_encoder.vit.patch_embed.proj.weight.grad.abs().sum() > 0
     model.save_pretrained(tmp_path / "m")
@@ -143,40 +146,41 @@ def test_model_with_map_readout_trains_saves_and_reloads(tmp_path):
         loaded(pixels, batch["input_ids"], batch["attention_mask"], image_index=index).logits,
         model(pixels, batch["input_ids"], batch["attention_mask"], image_index=index).logits,
     )
-    assert loaded.config.readout == "map_program"
+    assert loaded.config.fuser == MapProgramConfig() and loaded.config.head.type == "existence"
 
 
-def test_unknown_readout_and_fusion_blocks_with_the_reader_are_refused():
-    with pytest.raises(ValueError, match="readout must be one of"):
-        VLFuseModel.from_config(reader_config(readout="max", fusion_depth=1), ["no", "yes"], QUESTIONS)
-    with pytest.raises(ValueError, match="set fusion_depth to 0"):
-        VLFuseModel.from_config(reader_config(fusion_depth=2), ["no", "yes"], QUESTIONS)
-    with pytest.raises(ValueError, match="set text.depth to 0"):
-        VLFuseModel.from_config(
-            reader_config(text=TextEncoderConfig(width=32, depth=2, num_heads=2)), ["no", "yes"], QUESTIONS
-        )
+def test_a_fusion_head_the_wrong_text_encoder_and_other_answers_are_refused_with_the_reader():
+    with pytest.raises(ValueError, match="head 'pooled' reads tokens, but fuser 'map_program' gives evidence: use a head of type 'existence'"):
+        tiny_config(text=TextEncoderConfig(width=32, depth=0, num_heads=2), fuser={"type": "map_program"})
+    with pytest.raises(ValueError, match="fuser 'map_program' reads the question's word embeddings.*set text.depth to 0 .*got 2"):
+        tiny_config(text=TextEncoderConfig(width=32, depth=2, num_heads=2), fuser={"type": "map_program"}, head={"type": "existence"})
     with pytest.raises(ValueError, match="two answers"):
         VLFuseModel.from_config(reader_config(), ["red", "green", "blue"], QUESTIONS)
 
 
-WITHOUT_EFFECT = dict(
-    fusion_heads=8, mlp_ratio=4.0, dropout=0.0, attn_dropout=0.1, text_self_attention=False, gated=False,
-    attention_normalizer="leaky_relu", diversity_weight=0.5, output_gate=True, mlp_type="swiglu",
-    pruned_heads={"0": [1]},
+FUSION_STACK_OPTIONS = dict(
+    depth=2, heads=8, mlp_ratio=4.0, dropout=0.0, attn_dropout=0.1, self_attention=False, gated=False,
+    normalizer="leaky_relu", diversity_weight=0.5, output_gate=True, mlp="swiglu",
 )
+"""An option of the fusion stack each, none of which the map-program fuser has."""
 
 
-def test_every_fusion_option_is_tried_below():
-    assert sorted(WITHOUT_EFFECT) == sorted(FUSION_OPTIONS)
+def test_every_fusion_stack_option_is_tried_below():
+    options = [spec.name for spec in dataclasses.fields(FusionStackConfig) if spec.name != "type"]
+    assert sorted(FUSION_STACK_OPTIONS) == sorted(options)
 
 
-@pytest.mark.parametrize("option", sorted(WITHOUT_EFFECT))
-def test_an_option_without_effect_on_the_reader_is_refused_by_name(option):
-    value = WITHOUT_EFFECT[option]
-    message = f"options without effect with readout 'map_program' (no fusion blocks): {option}={value!r}; "
+@pytest.mark.parametrize("option", sorted(FUSION_STACK_OPTIONS))
+def test_a_fuser_option_the_reader_does_not_have_is_refused_by_name(option):
+    message = f"fuser: a fuser of type 'map_program' has no option {option} (its options: none)"
     with pytest.raises(ValueError, match=re.escape(message)) as info:
-        VLFuseModel.from_config(reader_config(**{option: value}), ["no", "yes"], QUESTIONS)
+        reader_config(**{option: FUSION_STACK_OPTIONS[option]})
     assert "\n" not in str(info.value)
+
+
+def test_pruned_heads_of_a_reader_without_attention_layers_are_refused():
+    with pytest.raises(ValueError, match="pruned_heads names layer 0, but fuser 'map_program' has 0 attention layers"):
+        VLFuseModel.from_config(dataclasses.replace(reader_config(), pruned_heads={"0": [1]}), ["no", "yes"], QUESTIONS)
 
 
 def test_a_format_1_reader_saved_with_options_it_ignored_loads_with_the_same_logits(tmp_path):
@@ -186,15 +190,19 @@ def test_a_format_1_reader_saved_with_options_it_ignored_loads_with_the_same_log
     directory = model.save_pretrained(tmp_path / "m")
     meta = json.loads((directory / "config.json").read_text())
     meta["format_version"] = 1
-    meta["config"].update(diversity_weight=0.5, output_gate=True, dropout=0.0)
+    architecture = meta["config"]
+    assert architecture.pop("fuser") == {"type": "map_program"} and architecture.pop("head") == {"type": "existence"}
+    # the flat architecture of format 1: no fusion blocks, the reader, and options it ignored
+    architecture.update(fusion_depth=0, readout="map_program", diversity_weight=0.5, output_gate=True, dropout=0.0)
     (directory / "config.json").write_text(json.dumps(meta))
     state = load_file(directory / "model.safetensors")
-    v1 = {key.replace("readout.existence.", "head.").replace("readout.", ""): value for key, value in state.items()}
+    v1 = {key.replace("fuser.", ""): value for key, value in state.items()}  # format 1: the reader at the top level
     assert "head.bias" in v1 and "reader.find_key.0.weight" in v1 and "word_norm.weight" in v1
     save_file(v1, directory / "model.safetensors")
     loaded = VLFuseModel.from_pretrained(directory)
-    assert loaded.config.diversity_weight == 0.0 and loaded.config.output_gate is False
-    tokens = model.tokenize(QUESTIONS)
+    assert loaded.config.fuser == MapProgramConfig() and loaded.config.head.type == "existence"
+    assert loaded.config.to_dict() == model.config.to_dict()
+    tokens = model.processor.tokenize(QUESTIONS)
     pixels = torch.rand(3, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(pixels, **tokens).logits, model(pixels, **tokens).logits, atol=0, rtol=0)
@@ -202,12 +210,12 @@ def test_a_format_1_reader_saved_with_options_it_ignored_loads_with_the_same_log
 
 def test_reader_model_refuses_what_needs_fusion_heads():
     model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS)
-    batch = model.tokenize(QUESTIONS[:1])
-    with pytest.raises(ValueError, match="no fusion heads to mask or draw: its readout 'map_program'"):
+    batch = model.processor.tokenize(QUESTIONS[:1])
+    with pytest.raises(ValueError, match="this model has no attention heads to mask or draw: its fuser 'map_program'"):
         model(torch.rand(1, 3, 32, 32), batch["input_ids"], batch["attention_mask"], weights_from=[0])
-    with pytest.raises(ValueError, match="no fusion heads to mask or draw"):
+    with pytest.raises(ValueError, match="no attention heads to mask or draw"):
         model(torch.rand(1, 3, 32, 32), batch["input_ids"], batch["attention_mask"], head_mask=torch.ones(1, 16))
-    with pytest.raises(ValueError, match="no fusion heads to prune"):
+    with pytest.raises(ValueError, match="no attention heads to prune"):
         model.prune_heads({0: [1]})
 
 
@@ -215,7 +223,7 @@ def test_predictor_answers_with_a_reader_model_and_refuses_attention_maps(tmp_pa
     from PIL import Image
 
     from vlfuse.data import preprocess_image
-    from vlfuse.predict import Predictor
+    from vlfuse.inference import Predictor
 
     torch.manual_seed(0)
     model = VLFuseModel.from_config(reader_config(), ["false", "true"], QUESTIONS)
@@ -223,13 +231,13 @@ def test_predictor_answers_with_a_reader_model_and_refuses_attention_maps(tmp_pa
     images = [Image.new("RGB", (32, 32), colour) for colour in ("red", "blue")]
     answers = predictor.predict(images, QUESTIONS[:2])
     pixels = torch.stack([preprocess_image(image, 32) for image in images])
-    tokens = model.tokenize(QUESTIONS[:2])
+    tokens = model.processor.tokenize(QUESTIONS[:2])
     with torch.no_grad():
         probabilities = model(pixels, tokens["input_ids"], tokens["attention_mask"]).logits.softmax(-1)
     best = probabilities.max(-1)
     assert [a["answer"] for a in answers] == [model.answers[i] for i in best.indices.tolist()]
     assert [a["score"] for a in answers] == pytest.approx(best.values.tolist(), abs=1e-6)
-    with pytest.raises(ValueError, match="no fusion heads to draw attention maps"):
+    with pytest.raises(ValueError, match="no attention heads to draw attention maps"):
         predictor.predict(images, QUESTIONS[:2], attention_maps=tmp_path)
 
 
@@ -303,7 +311,7 @@ def test_reader_answers_new_compositions_of_known_words():
 
     words_in = torch.nn.Embedding(len(vocab), 32)
     cells_in = torch.nn.Linear(7, 32)
-    reader, head = MapProgramReader(32, (3, 3)), ExistenceClassifier()
+    reader, head = MapProgramReader(32, (3, 3)), ExistenceHead()
     parts = torch.nn.ModuleList([words_in, cells_in, reader, head])
     optimiser = torch.optim.Adam(parts.parameters(), lr=3e-3)
 
@@ -325,7 +333,7 @@ def test_reader_answers_new_compositions_of_known_words():
 
 @pytest.mark.parametrize(
     "command, message",
-    [(["analyze"], "no fusion heads to analyse"), (["prune", "--score", "weight_norm", "--fraction", "0.5"], "no fusion heads to prune")],
+    [(["analyze"], "no attention heads to analyse"), (["prune", "--score", "weight_norm", "--fraction", "0.5"], "no attention heads to prune")],
 )
 def test_analyze_and_prune_refuse_a_reader_model_in_one_line(tmp_path, capsys, command, message):
     from vlfuse.cli import main as vlfuse_main

@@ -41,7 +41,7 @@ def test_minilm_loads_offline_and_its_tokenizer_is_saved_with_the_model(tmp_path
     torch.manual_seed(0)
     model = VLFuseModel.from_config(config, ["yes", "no"]).eval()
     assert model.text_encoder.width == 384 and model.text_encoder.model.config.num_hidden_layers == 6
-    tokens = model.tokenize(["which colour does the shape have?"])
+    tokens = model.processor.tokenize(["which colour does the shape have?"])
     # WordPiece of the pretrained vocabulary: "colour" is a known word, no [UNK]
     assert model.tokenizer.unk_token_id not in tokens["input_ids"][0].tolist()
     pixels = torch.rand(1, 3, 32, 32)
@@ -49,5 +49,5 @@ def test_minilm_loads_offline_and_its_tokenizer_is_saved_with_the_model(tmp_path
     saved = model.save_pretrained(tmp_path / "model")
     assert json.loads((saved / "config.json").read_text())["config"]["text"]["name"] == MINILM
     reloaded = VLFuseModel.from_pretrained(saved)  # from its own files: tokenizer included
-    assert reloaded.tokenize(["which colour does the shape have?"])["input_ids"].tolist() == tokens["input_ids"].tolist()
+    assert reloaded.processor.tokenize(["which colour does the shape have?"])["input_ids"].tolist() == tokens["input_ids"].tolist()
     torch.testing.assert_close(reloaded(pixels, **tokens).logits, logits)

@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import json
 import re
 
@@ -7,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
-from vlfuse.model import FUSION_OPTIONS, ImageContext, VLFuseModel
-from vlfuse.readouts import READOUTS, PoolReadout, register_readout
+from vlfuse.fusers import FUSERS, FusionStackConfig
+from vlfuse.heads import HEADS, PooledConfig, PooledHead
+from vlfuse.model import ImageContext, VLFuseModel
 
 from conftest import COLOUR_ANSWERS, logits, make_model, tiny_config
 
@@ -17,7 +19,7 @@ ANSWERS = COLOUR_ANSWERS
 
 def test_forward_shapes_and_attention_weights():
     model, batch = make_model()
-    tokens = model.tokenize(batch["questions"])
+    tokens = model.processor.tokenize(batch["questions"])
     out = model.eval()(batch["pixel_values"], **tokens, image_index=batch["image_index"], weights_from=[0, 1])
     assert out.logits.shape == (8, len(ANSWERS))
     grid = model.image_encoder.grid_size
@@ -27,11 +29,23 @@ def test_forward_shapes_and_attention_weights():
     torch.testing.assert_close(out.attentions[1].sum(-1), torch.ones(8, 16, lt))
 
 
+def test_the_processor_gives_what_forward_takes():
+    """``model(**model.processor.batch(batch))`` is the forward of the batch's tensors."""
+    model, batch = make_model()
+    model.eval()
+    inputs = model.processor.batch(batch)
+    assert torch.equal(inputs.pixel_values, batch["pixel_values"])
+    assert torch.equal(inputs.image_index, batch["image_index"])
+    tokens = model.processor.tokenize(batch["questions"])
+    direct = model(batch["pixel_values"], **tokens, image_index=batch["image_index"]).logits
+    assert torch.equal(model(**inputs).logits, direct)
+
+
 def test_shared_images_give_the_same_logits_as_repeated_images():
     model, batch = make_model()
     model.eval()
     shared = logits(model, batch)
-    tokens = model.tokenize(batch["questions"])
+    tokens = model.processor.tokenize(batch["questions"])
     repeated = model(batch["pixel_values"][batch["image_index"]], **tokens).logits
     torch.testing.assert_close(shared, repeated, atol=1e-5, rtol=0)
 
@@ -43,10 +57,13 @@ def test_save_and_load_give_identical_logits(tmp_path):
     directory = model.save_pretrained(tmp_path / "m")
     assert sorted(p.name for p in directory.iterdir()) == ["answers.json", "config.json", "model.safetensors", "tokenizer"]
     meta = json.loads((directory / "config.json").read_text())
+    assert meta["format_version"] == 3
     assert meta["config"]["pruned_heads"] == {"1": [0, 5]}
+    assert meta["config"]["fuser"]["type"] == "fusion_stack" and meta["config"]["head"] == {"type": "pooled", "dropout": 0.0}
     loaded = VLFuseModel.from_pretrained(directory)
     assert loaded.answers == ANSWERS
-    assert loaded.fusion.blocks[1].cross_attn.num_heads == 14
+    assert loaded.config == model.config
+    assert loaded.fuser.stack.blocks[1].cross_attn.num_heads == 14
     torch.testing.assert_close(logits(loaded, batch), logits(model, batch), atol=0, rtol=0)
 
 
@@ -55,7 +72,7 @@ def test_loading_reports_missing_files_other_versions_and_answer_mismatch(tmp_pa
     directory = model.save_pretrained(tmp_path / "m")
     answers = directory / "answers.json"
     answers.write_text(json.dumps(ANSWERS + ["green"]))
-    with pytest.raises(ValueError, match=r"\(5 answers\): readout.classifier.2.bias is \(4,\) in the file, \(5,\) in the model"):
+    with pytest.raises(ValueError, match=r"\(5 answers\): head.classifier.2.bias is \(4,\) in the file, \(5,\) in the model"):
         VLFuseModel.from_pretrained(directory)
     answers.unlink()
     with pytest.raises(FileNotFoundError, match="missing answers.json"):
@@ -89,7 +106,8 @@ def test_frozen_encoders_get_no_gradient():
     logits(model.train(), batch).sum().backward()
     assert all(p.grad is None for p in model.image_encoder.parameters())
     assert all(p.grad is None for p in model.text_encoder.parameters())
-    assert model.readout.classifier[-1].weight.grad is not None
+    assert model.head.classifier[-1].weight.grad is not None
+    assert all(p.grad is not None for p in model.fuser.parameters())
 
 
 def test_unknown_encoder_names_give_one_line_errors():
@@ -105,7 +123,7 @@ def test_unknown_encoder_names_give_one_line_errors():
 def test_repeated_questions_are_encoded_once_with_the_same_result():
     model, batch = make_model()
     model.eval()
-    tokens = model.tokenize(batch["questions"])
+    tokens = model.processor.tokenize(batch["questions"])
     calls = []
     hook = model.text_encoder.register_forward_hook(lambda m, args, out: calls.append(len(args[0])))
     deduplicated = model.encode_questions(**tokens)
@@ -119,15 +137,17 @@ def test_forward_is_the_composition_of_the_four_stages():
     model, batch = make_model()
     model.prune_heads({0: [3]})
     model.eval()
-    tokens = model.tokenize(batch["questions"])
+    tokens = model.processor.tokenize(batch["questions"])
     out = model(batch["pixel_values"], **tokens, image_index=batch["image_index"], weights_from=[1])
     context = model.encode_images(batch["pixel_values"])
     text_mask = tokens["attention_mask"].bool()
     text = model.encode_questions(**tokens)
     fused = model.fuse(text, text_mask, context, batch["image_index"], weights_from=[1])
-    staged = model.read_out(fused.tokens, text_mask, context, batch["image_index"])
+    assert fused.output.shape == text.shape  # fused question tokens, for a head that reads tokens
+    staged = model.read_out(fused.output, text_mask)
     assert torch.equal(staged, out.logits)
     assert torch.equal(fused.attentions[1], out.attentions[1])
+    assert torch.equal(out.text_mask, text_mask)
 
 
 def test_head_mask_zero_gives_the_logits_of_the_pruned_model():
@@ -150,43 +170,58 @@ def test_head_mask_zero_gives_the_logits_of_the_pruned_model():
         logits(model, batch, head_mask=torch.ones(16))
 
 
-def test_a_registered_readout_is_chosen_by_its_config_name():
-    @register_readout
-    class MaxReadout(PoolReadout):
-        name = "max_for_test"
-
+def test_a_registered_head_is_chosen_by_its_config_type():
+    class MaxHead(PooledHead):
         def pool(self, tokens, text_mask):
             return tokens.masked_fill(~text_mask[..., None], float("-inf")).amax(1)
 
+    @HEADS.register
+    @dataclasses.dataclass
+    class MaxConfig(PooledConfig):
+        type: str = "max_for_test"
+
+        def build(self, dim, answers):
+            return MaxHead(dim, len(answers), dropout=self.dropout)
+
     try:
-        model, batch = make_model(readout="max_for_test")
+        model, batch = make_model(head={"type": "max_for_test"})
         model.eval()
-        assert isinstance(model.readout, MaxReadout)
-        tokens = model.tokenize(batch["questions"])
-        fused = model.fuse(model.encode_questions(**tokens), tokens["attention_mask"].bool(),
-                           model.encode_images(batch["pixel_values"]), batch["image_index"]).tokens
-        expected = model.readout.classifier(fused.masked_fill(~tokens["attention_mask"].bool()[..., None], -1e9).amax(1))
+        assert isinstance(model.config.head, MaxConfig) and isinstance(model.head, MaxHead)
+        tokens = model.processor.tokenize(batch["questions"])
+        mask = tokens["attention_mask"].bool()
+        fused = model.fuse(model.encode_questions(**tokens), mask, model.encode_images(batch["pixel_values"]),
+                           batch["image_index"]).output
+        expected = model.head.classifier(fused.masked_fill(~mask[..., None], -1e9).amax(1))
         torch.testing.assert_close(logits(model, batch), expected, atol=1e-6, rtol=0)
+        with pytest.raises(ValueError, match="already registered"):
+            HEADS.register(MaxConfig)
     finally:
-        del READOUTS["max_for_test"]
+        del HEADS.configs["max_for_test"]
 
 
-def test_unknown_readout_and_a_pool_model_without_fusion_blocks_are_refused():
-    assert {"bilinear", "cell_steps", "map_program", "pool"} <= set(READOUTS)
-    with pytest.raises(ValueError, match=re.escape(f"readout must be one of {sorted(READOUTS)}, got 'max'")):
-        make_model(readout="max")
-    with pytest.raises(ValueError, match="readout 'pool' reads fused tokens: fusion_depth must be at least 1, got 0"):
-        make_model(fusion_depth=0)
+def test_unknown_head_and_a_fusion_stack_without_blocks_are_refused():
+    assert {"bilinear", "existence", "pooled"} <= set(HEADS.configs)
+    assert {"cell_steps", "fusion_stack", "map_program"} <= set(FUSERS.configs)
+    with pytest.raises(ValueError, match=re.escape(f"head.type must be one of {sorted(HEADS.configs)}, got 'max'")):
+        make_model(head={"type": "max"})
+    with pytest.raises(ValueError, match="fuser.depth must be at least 1, got 0"):
+        make_model(fuser={"depth": 0})
+    with pytest.raises(ValueError, match="fuser.diversity_weight must be >= 0, got -0.1"):
+        make_model(fuser={"diversity_weight": -0.1})
 
 
-def test_every_fusion_option_reaches_the_pool_model():
-    """The pool readout reads the fusion stack: no fusion option is refused as without effect."""
-    changed = dict(fusion_heads=8, mlp_ratio=1.0, dropout=0.2, attn_dropout=0.1, text_self_attention=False,
-                   gated=False, attention_normalizer="leaky_relu", diversity_weight=0.5, output_gate=True,
-                   mlp_type="swiglu", pruned_heads={"0": [1]})
-    assert sorted(changed) == sorted(FUSION_OPTIONS)
-    model, _ = make_model(**changed)
-    assert model.fusion.blocks[0].cross_attn.num_heads == 7
+def test_every_fusion_option_reaches_the_fusion_stack():
+    """Every option of the fusion stack changes the model it builds: none is accepted without effect."""
+    changed = dict(depth=1, heads=8, mlp_ratio=1.0, dropout=0.2, attn_dropout=0.1, self_attention=False,
+                   gated=False, normalizer="leaky_relu", diversity_weight=0.5, output_gate=True, mlp="swiglu")
+    options = [spec.name for spec in dataclasses.fields(FusionStackConfig) if spec.name != "type"]
+    assert sorted(changed) == sorted(options)
+    model, _ = make_model(fuser=changed, pruned_heads={"0": [1]})
+    assert model.config.fuser == FusionStackConfig(**changed)
+    stack = model.fuser.stack
+    assert len(stack.blocks) == 1 and model.num_heads_built == 8
+    assert model.fuser.stack.blocks[0].cross_attn.num_heads == 7  # pruned_heads, of the model config
+    assert model.fuser.diversity_weight == 0.5
 
 
 def test_image_context_rows_selected_and_concatenated_equal_encoding_those_images():
@@ -197,6 +232,7 @@ def test_image_context_rows_selected_and_concatenated_equal_encoding_those_image
         context = model.encode_images(pixels)
         parts = ImageContext.cat([context.select(slice(2, 3)), context.select(torch.tensor([0, 3]))])
         direct = model.encode_images(pixels[[2, 0, 3]])
-    for got, want in zip(parts.layers, direct.layers, strict=True):
+    assert len(direct.features) == 2  # the fusion stack's context: one ProjectedContext per block
+    for got, want in zip(parts.features, direct.features, strict=True):
         torch.testing.assert_close(got.key, want.key, atol=1e-6, rtol=0)
         torch.testing.assert_close(got.value, want.value, atol=1e-6, rtol=0)

@@ -15,7 +15,7 @@ from conftest import REPO, tiny_cli_args
 from packaging.requirements import Requirement
 from safetensors.torch import load_file
 
-from vlfuse.readouts.base import encode_distinct
+from vlfuse.fusers import encode_distinct
 from vlfuse.runtime import using_threads
 
 PARALLEL_GRAIN = 32768

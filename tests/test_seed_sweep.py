@@ -13,7 +13,7 @@ def test_a_sweep_trains_each_variant_and_seed_and_tabulates_curves_and_groups(tm
     sweep = {
         "config": "configs/easy_vqa.yaml",
         "common": [*tiny_overrides(limit_images=6), "--trainer.max_epochs=2", "--trainer.log_every_n_steps=1", "--threads=1"],
-        "variants": {"pool": ["--model.architecture.readout=pool"], "bilinear": []},
+        "variants": {"pool": ["--model.architecture.head.type=pooled"], "bilinear": []},
         "seeds": [3],
     }
     spec = tmp_path / "sweep.json"
@@ -33,8 +33,11 @@ def test_a_sweep_trains_each_variant_and_seed_and_tabulates_curves_and_groups(tm
         assert any(key.startswith("val_group/yes/no") for key in run["epochs"][-1])
     table = (out / "sweep.md").read_text()
     assert "| pool |" in table and "| bilinear |" in table and "median" in table
+    for variant, head in (("pool", "pooled"), ("bilinear", "bilinear")):  # the variant's override reached the model
+        saved = json.loads((out / f"{variant}_s3" / "model" / "config.json").read_text())
+        assert saved["config"]["head"]["type"] == head
     metrics = next((out / "pool_s3").rglob("metrics.csv")).read_text().splitlines()[0]
-    assert "grad_norm/fusion" in metrics and "grad_norm/image_encoder" in metrics
+    assert "grad_norm/fuser" in metrics and "grad_norm/head" in metrics and "grad_norm/image_encoder" in metrics
 
 
 @pytest.mark.parametrize(

@@ -60,6 +60,9 @@ class VLFuseConfig:
     pruned_heads: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        bad = [layer for layer in self.pruned_heads if not str(layer).isdigit()]
+        if bad:
+            raise ValueError(f"pruned_heads maps layer numbers to head ids, got the keys {bad}")
         self.fuser: FuserConfig = FUSERS.parse(self.fuser, "fuser")
         self.head: HeadConfig = HEADS.parse(self.head, "head")
         if self.head.reads != self.fuser.gives:

@@ -74,12 +74,14 @@ class Registry(Generic[Config]):
         and options; errors name ``where`` (default: the kind) and the option."""
         where = where or self.kind
         if isinstance(value, PartConfig):
+            if type(value) not in self.configs.values():
+                raise ValueError(f"{where} must be a {self.kind} config (one of {sorted(self.configs)}), got {type(value).__name__}")
             return value
         if not isinstance(value, Mapping):
             raise ValueError(f"{where} must be a mapping with a type and its options, got {value!r}")
         options = dict(value)
         name = options.setdefault("type", self.default)
-        if name not in self.configs:
+        if not isinstance(name, str) or name not in self.configs:
             raise ValueError(f"{where}.type must be one of {sorted(self.configs)}, got {name!r}")
         config_class = self.configs[name]
         fields = {spec.name: spec for spec in dataclasses.fields(config_class) if spec.init}
