@@ -55,6 +55,8 @@ class VLFuseConfig:
     image: ImageEncoderConfig = field(default_factory=default_image_encoder)
     text: TextEncoderConfig = field(default_factory=default_text_encoder)
     fusion_dim: int = 64
+    # A config file gives each part as a mapping (its type and options: what jsonargparse reads, and
+    # what `--model.architecture.fuser.depth 3` sets a key of); __post_init__ makes it the part's config.
     fuser: dict[str, Any] = field(default_factory=lambda: {"type": "fusion_stack"})
     head: dict[str, Any] = field(default_factory=lambda: {"type": "bilinear"})
     pruned_heads: dict[str, list[int]] = field(default_factory=dict)
