@@ -96,3 +96,23 @@ def test_captioner_writes_the_captions_it_wrote_when_saved(decoding):
     got = captioner.caption(images, beam_size=1 if decoding == "greedy" else 3)
     assert [c["caption"] for c in got] == [c["caption"] for c in expected[decoding]]
     assert [c["score"] for c in got] == pytest.approx([c["score"] for c in expected[decoding]], abs=1e-5)
+
+
+@pytest.mark.parametrize(("readout", "old", "new"), [
+    ("bilinear", "model.fusion.blocks.0.cross_attn.q_proj.weight", "model.fuser.stack.blocks.0.cross_attn.q_proj.weight"),
+    ("bilinear", "model.readout.products.weight", "model.head.products.weight"),
+    ("cell_steps", "model.readout.step.cross_attn.q_proj.weight", "model.fuser.step.cross_attn.q_proj.weight"),
+    ("cell_steps", "model.readout.existence.bias", "model.head.bias"),
+])
+def test_a_lightning_checkpoint_of_format_2_gets_its_weights_renamed_when_loaded(readout, old, new):
+    """``--ckpt_path`` of a run started before the parts: the checkpoint has no ``vlfuse_format``."""
+    from vlfuse.lit import VLFuseLitModule
+
+    value = torch.ones(2)
+    checkpoint = {"state_dict": {old: value, "model.image_proj.weight": value},
+                  "hyper_parameters": {"architecture": {"readout": readout}}}
+    VLFuseLitModule().on_load_checkpoint(checkpoint)
+    assert checkpoint["state_dict"] == {new: value, "model.image_proj.weight": value}
+    current = {"state_dict": {new: value}, "vlfuse_format": 3}
+    VLFuseLitModule().on_load_checkpoint(current)
+    assert current["state_dict"] == {new: value}  # a checkpoint of this format is left as it is
