@@ -48,9 +48,15 @@ def load_model_and_batches(config_path: Path, n_batches: int, batch_size: int | 
     batches = []
     for _ in range(n_batches):
         batch = next(loader)
-        batch.update(model.processor.tokenize(batch["questions"]))
+        batch.update(tokenize(model, batch["questions"]))
         batches.append(batch)
     return model, batches
+
+
+def tokenize(model, questions: list[str]) -> dict:
+    """The model's processor's tokens; a model of a tree before issue 30 (``--against``) tokenizes itself."""
+    processor = getattr(model, "processor", None)
+    return model.tokenize(questions) if processor is None else processor.tokenize(questions)
 
 
 def train_step(model, optimizer, batch) -> None:
