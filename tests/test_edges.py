@@ -110,7 +110,7 @@ def test_a_flat_model_option_of_before_the_parts_says_where_it_went(tmp_path, ca
 @pytest.mark.parametrize(
     "option, line",
     [
-        ("--model.architecture.fuser.depth=0", "fuser.depth must be at least 1, got 0"),
+        ("--model.architecture.fuser.depth=0", "fuser.depth must be between 1 and 1024, got 0"),
         ('--model.architecture.fuser={"type": "nope"}',
          "fuser.type must be one of ['cell_steps', 'fusion_stack', 'map_program'], got 'nope'"),
     ],

@@ -72,6 +72,11 @@ def test_loading_reports_missing_files_other_versions_and_answer_mismatch(tmp_pa
     directory = model.save_pretrained(tmp_path / "m")
     answers = directory / "answers.json"
     answers.write_text(json.dumps(ANSWERS + ["green"]))
+    with pytest.raises(ValueError, match=r"answers.json does not match .*config.json: it is not the file that was saved"):
+        VLFuseModel.from_pretrained(directory)
+    meta = json.loads((directory / "config.json").read_text())
+    del meta["files"]  # as a folder written before digests were recorded: the shapes still tell
+    (directory / "config.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"\(5 answers\): head.classifier.2.bias is \(4,\) in the file, \(5,\) in the model"):
         VLFuseModel.from_pretrained(directory)
     answers.unlink()
@@ -204,7 +209,7 @@ def test_unknown_head_and_a_fusion_stack_without_blocks_are_refused():
     assert {"cell_steps", "fusion_stack", "map_program"} <= set(FUSERS.configs)
     with pytest.raises(ValueError, match=re.escape(f"head.type must be one of {sorted(HEADS.configs)}, got 'max'")):
         make_model(head={"type": "max"})
-    with pytest.raises(ValueError, match="fuser.depth must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="fuser.depth must be between 1 and 1024, got 0"):
         make_model(fuser={"depth": 0})
     with pytest.raises(ValueError, match="fuser.diversity_weight must be >= 0, got -0.1"):
         make_model(fuser={"diversity_weight": -0.1})

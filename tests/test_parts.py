@@ -149,7 +149,7 @@ def test_errors_name_where_the_part_is():
 
 
 def test_value_checks_of_a_part_name_its_option():
-    with pytest.raises(ValueError, match="fuser.depth must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="fuser.depth must be between 1 and 1024, got 0"):
         VLFuseConfig(fuser={"depth": 0})
     with pytest.raises(ValueError, match="fuser.diversity_weight must be >= 0, got -1"):
         VLFuseConfig(fuser={"diversity_weight": -1.0})

@@ -9,14 +9,17 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
 from vlfuse import model_io
-from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, TextEncoder, TextEncoderConfig, build_word_tokenizer, load_tokenizer, scratch_config
+from vlfuse.encoders import (
+    ImageEncoder, ImageEncoderConfig, TextEncoder, TextEncoderConfig, build_word_tokenizer, load_saved_tokenizer, load_tokenizer,
+    saved_text_config, scratch_config,
+)
 from vlfuse.errors import MOVED_OPTIONS
 from vlfuse.fusers import FUSERS, FuserConfig
 from vlfuse.heads import HEADS, HeadConfig
 from vlfuse.layers import CrossAttention
+from vlfuse.parts import MAX_WIDTH, check_range, check_type
 from vlfuse.processor import VLFuseProcessor
 
 
@@ -62,6 +65,8 @@ class VLFuseConfig:
     pruned_heads: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_type("fusion_dim", self.fusion_dim, int)
+        check_range("fusion_dim", self.fusion_dim, 1, MAX_WIDTH)
         bad = [layer for layer in self.pruned_heads if not str(layer).isdigit()]
         if bad:
             raise ValueError(f"pruned_heads maps layer numbers to head ids, got the keys {bad}")
@@ -392,38 +397,62 @@ class VLFuseModel(nn.Module):
 
     # ------------------------------------------------------------------------- save and load
     def save_pretrained(self, directory: str | Path) -> Path:
-        """Write weights (safetensors), config and answers (JSON) and the tokenizer to ``directory``."""
-        directory = model_io.save_weights(self, directory)
+        """Write weights (safetensors), config and answers (JSON) and the tokenizer to ``directory``,
+        atomically (see :func:`vlfuse.model_io.write_model_folder`): a kill leaves the old folder or
+        the new one. A folder that vlfuse did not write is not replaced (``ValueError``)."""
         meta = {
             "format_version": model_io.FORMAT_VERSION,
             "model_type": model_io.MODEL_TYPE,
             "config": self.config.to_dict(),
             "text_encoder_config": self.text_encoder.model.config.to_dict(),
         }
-        model_io.write_json(directory / model_io.CONFIG_FILE, meta)
-        model_io.write_json(directory / model_io.ANSWERS_FILE, self.answers, indent=1)
-        self.tokenizer.save_pretrained(directory / model_io.TOKENIZER_DIR)
-        return directory
+
+        def write_files(folder: Path) -> None:
+            model_io.save_weights(self, folder)
+            model_io.write_json(folder / model_io.ANSWERS_FILE, self.answers, indent=1)
+            self.tokenizer.save_pretrained(folder / model_io.TOKENIZER_DIR)
+
+        return model_io.write_model_folder(directory, meta, write_files)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> "VLFuseModel":
         """Rebuild a model saved by :meth:`save_pretrained`, of this format or an earlier one
-        (:mod:`vlfuse.model_io`); nothing is unpickled, no hub is needed."""
+        (:mod:`vlfuse.model_io`). The folder is data: nothing is unpickled and no code in it runs,
+        the files are checked against their digests and the weights against the architecture
+        before anything is allocated; every error is a one-line ``ValueError`` naming the file."""
         directory = Path(directory)
         files = (model_io.WEIGHTS_FILE, model_io.CONFIG_FILE, model_io.ANSWERS_FILE, model_io.TOKENIZER_DIR)
         model_io.require_files(directory, files, "a saved vlfuse model")
         meta = model_io.read_meta(directory, model_io.MODEL_TYPE, model_io.READABLE_FORMATS)
-        state = model_io.read_weights(directory, map_location)
-        architecture, state = model_io.upgrade_answering_model(meta["format_version"], meta["config"], state)
-        config = VLFuseConfig.from_dict(architecture)
-        answers = model_io.read_json(directory / model_io.ANSWERS_FILE)
-        text_hf = dict(meta["text_encoder_config"])
-        text_hf_config = AutoConfig.for_model(text_hf.pop("model_type"), **text_hf)
-        processor = processor_for(config, load_tokenizer(str(directory / model_io.TOKENIZER_DIR)))
-        model = cls(config, answers, processor, text_hf_config=text_hf_config, load_pretrained=False)
-        described_by = f"{directory / model_io.CONFIG_FILE} and {directory / model_io.ANSWERS_FILE} ({len(answers)} answers)"
+        model_io.verify_files(directory, meta)
+        config_file = directory / model_io.CONFIG_FILE
+        architecture, shapes = model_io.parse_config(
+            config_file, lambda: model_io.upgrade_answering_model(meta["format_version"], meta["config"], model_io.read_header(directory))
+        )
+        config = model_io.parse_config(config_file, lambda: VLFuseConfig.from_dict(architecture))
+        text_hf_config = model_io.parse_config(config_file, lambda: saved_text_config(meta["text_encoder_config"]))
+        answers_file = directory / model_io.ANSWERS_FILE
+        answers = model_io.parse_config(answers_file, lambda: answer_list(model_io.read_json(answers_file)))
+        tokenizer = load_saved_tokenizer(directory / model_io.TOKENIZER_DIR, text_hf_config.vocab_size)
+        processor = processor_for(config, tokenizer)
+        described_by = f"{config_file} and {answers_file} ({len(answers)} answers)"
+        model = model_io.build_checked(
+            lambda: cls(config, answers, processor, text_hf_config=text_hf_config, load_pretrained=False),
+            shapes, directory, described_by,
+        )
+        version = meta["format_version"]
+        _, state = model_io.upgrade_answering_model(version, meta["config"], model_io.read_weights(directory, map_location))
         model_io.load_weights(model, state, directory, described_by)
         return model.to(map_location).eval()
+
+
+def answer_list(answers: Any) -> list[str]:
+    """``answers.json``'s content checked to be a list of distinct strings."""
+    if not isinstance(answers, list) or not all(isinstance(answer, str) for answer in answers):
+        raise ValueError("must be a JSON list of answer strings")
+    if len(set(answers)) != len(answers):
+        raise ValueError("lists an answer twice")
+    return answers
 
 
 def processor_for(config: VLFuseConfig, tokenizer) -> VLFuseProcessor:

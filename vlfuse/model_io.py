@@ -1,9 +1,18 @@
 """Model folders: writing them, reading them back, and reading the formats of earlier versions.
 
-A folder holds ``config.json`` (format version, model type, architecture), ``model.safetensors``
-(the weights: nothing is unpickled), ``tokenizer/`` and, for an answering model, ``answers.json``.
+A folder holds ``config.json`` (format version, model type, architecture, and the size and SHA-256
+of every other file), ``model.safetensors`` (the weights: nothing is unpickled), ``tokenizer/``
+and, for an answering model, ``answers.json``.
 :class:`~vlfuse.model.VLFuseModel` and :class:`~vlfuse.captioning.CaptionModel` read and write
 them through this module; it imports no model code.
+
+Writing is atomic (:func:`write_model_folder`): the files go to a hidden folder beside the target,
+which then takes the target's place in one rename, so that a process killed at any moment leaves
+the old folder or the new one. Reading treats a folder as untrusted data: only regular files are
+opened, JSON is size-limited, the files must match the digests in ``config.json``, the weights'
+shapes are compared with the architecture (built on the meta device, so nothing is allocated)
+before any tensor is read, and non-finite weights are refused. Every error is one line naming the
+file.
 
 Answering models (``model_type: vlfuse``):
 
@@ -14,23 +23,44 @@ Answering models (``model_type: vlfuse``):
 - format 1: as 2, with the readout's weights at the top level.
 
 :func:`upgrade_answering_model` turns a folder's config and weights of format 1 or 2 into format 3,
-so that every saved model keeps loading and answering as it did.
+so that every saved model keeps loading and answering as it did. Folders written before the
+digests (``files``) were recorded load without that check.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import json
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from vlfuse.errors import first_line
 
 FORMAT_VERSION = 3
 READABLE_FORMATS = (1, 2, 3)
 MODEL_TYPE = "vlfuse"
 WEIGHTS_FILE, CONFIG_FILE, ANSWERS_FILE, TOKENIZER_DIR = "model.safetensors", "config.json", "answers.json", "tokenizer"
+MODEL_TYPES = (MODEL_TYPE, "vlfuse-caption")
+"""The ``model_type`` of every kind of folder vlfuse writes (a folder of another is never replaced)."""
+
+MAX_JSON_BYTES = 64 << 20
+"""The largest JSON file of a model folder that is read (64 MiB: a million answers fit)."""
+
+STAGING = ".partial-"
+"""Marks the hidden folder a save writes into, ``.<target>.partial-<pid>-<random>``, beside the target."""
 
 FORMAT_2_DEFAULTS: dict[str, Any] = {
     "fusion_dim": 128,
@@ -68,26 +98,178 @@ def save_weights(model: nn.Module, directory: str | Path) -> Path:
 
 
 def write_json(path: Path, data: Any, indent: int = 2) -> None:
-    """Write ``data`` as JSON with a final newline."""
-    path.write_text(json.dumps(data, indent=indent) + "\n")
+    """Write ``data`` as JSON with a final newline (never ``NaN``: it is not JSON)."""
+    path.write_text(json.dumps(data, indent=indent, allow_nan=False) + "\n")
+
+
+def write_model_folder(target: str | Path, meta: Mapping[str, Any], write_files: Callable[[Path], None]) -> Path:
+    """Write a model folder at ``target`` atomically; return ``target``.
+
+    ``write_files(folder)`` writes every file but ``config.json`` into a fresh hidden folder beside
+    ``target``; ``config.json`` (``meta`` with the size and SHA-256 of each of those files) is
+    written last, everything is flushed to disk, and the folder takes ``target``'s place in one
+    rename. A kill at any moment leaves the old folder or the new one, never a mix; a killed
+    save's hidden folder is removed by the next save beside it.
+
+    Raises:
+        ValueError: ``target`` exists and is not an empty folder or a vlfuse model folder.
+    """
+    target = Path(target)
+    check_replaceable(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_staging(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING}{os.getpid()}-", dir=target.parent))
+    try:
+        write_files(staging)
+        write_json(staging / CONFIG_FILE, {**meta, "files": file_digests(staging)})
+        sync_tree(staging)
+        move_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse to replace anything but an empty folder or a folder vlfuse wrote (it would be lost)."""
+    if not os.path.lexists(target):
+        return
+    if target.is_dir() and (not any(target.iterdir()) or model_type_of(target) in MODEL_TYPES):
+        return
+    raise ValueError(f"{target} exists and is not a vlfuse model folder: not replaced (save to another folder, or remove it)")
+
+
+def remove_abandoned_staging(target: Path) -> None:
+    """Remove the hidden folders of saves beside ``target`` whose process no longer runs (killed saves)."""
+    for folder in target.parent.glob(f".{target.name}{STAGING}*"):
+        pid = folder.name[len(f".{target.name}{STAGING}"):].split("-", 1)[0]
+        if pid.isdigit() and not process_running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size", "sha256"}}`` of every file below ``folder`` (``config.json`` aside)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != CONFIG_FILE)
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256(p)} for p in files}
+
+
+def sha256(path: Path) -> str:
+    """The SHA-256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sync_tree(folder: Path) -> None:
+    """Flush every file and folder below ``folder`` (itself included) to disk."""
+    for path in [*folder.rglob("*"), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def move_into_place(staging: Path, target: Path) -> None:
+    """Put the folder ``staging`` at ``target``, replacing what is there in one step where the system can.
+
+    Linux swaps the two folders atomically (``renameat2`` with ``RENAME_EXCHANGE``); elsewhere the
+    old folder is first renamed aside (``.<target>.old-<pid>``), so that a kill between the two
+    renames leaves it there, whole.
+    """
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+    elif exchange(staging, target):
+        shutil.rmtree(staging)  # the old folder, now
+    else:
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.rename(target, old)
+        os.rename(staging, target)
+        shutil.rmtree(old)
+    sync_tree_entry(target.parent)
+
+
+def sync_tree_entry(folder: Path) -> None:
+    """Flush ``folder``'s entries (a rename in it) to disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``);
+    ``False`` where the system or the filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_cwd, rename_exchange = -100, 2
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 # ------------------------------------------------------------------------------- reading
 def require_files(directory: Path, names: Sequence[str], what: str) -> None:
-    """Raise ``FileNotFoundError`` naming ``directory`` when it is missing or lacks one of ``names``."""
+    """Raise ``FileNotFoundError`` naming ``directory`` when it is missing or lacks one of ``names``,
+    and a ``ValueError`` when one of them is not a regular file (or, for ``tokenizer``, a folder of them)."""
     if not directory.is_dir():
         raise FileNotFoundError(f"model folder not found: {directory}")
     missing = [n for n in names if not (directory / n).exists()]
     if missing:
         raise FileNotFoundError(f"{directory} is not {what}: missing {', '.join(missing)}")
+    for name in names:
+        path = directory / name
+        if name == TOKENIZER_DIR:
+            if not path.is_dir():
+                raise ValueError(f"{path} is not a folder")
+            for inner in path.rglob("*"):
+                if not inner.is_dir():
+                    require_regular(inner)
+        else:
+            require_regular(path)
+
+
+def require_regular(path: Path) -> None:
+    """A ``ValueError`` when ``path`` is not a regular file (a FIFO, a device: reading it could hang)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{path} is not a regular file")
 
 
 def read_json(path: Path) -> Any:
-    """The JSON in ``path``; a ``ValueError`` naming the file when it is not JSON."""
+    """The JSON in ``path``; a ``ValueError`` naming the file when it is too large or not JSON."""
+    require_regular(path)
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path} is {size / 2**20:.0f} MiB, more than the {MAX_JSON_BYTES >> 20} MiB a model folder's JSON may be")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
+        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=refuse_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path} is not valid JSON: {first_line(err)}") from None
+
+
+def refuse_constant(name: str) -> None:
+    """``json.loads``'s hook for ``NaN`` and ``Infinity``, which are not JSON."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def read_meta(directory: Path, model_type: str, formats: Sequence[int]) -> dict:
@@ -106,34 +288,115 @@ def read_meta(directory: Path, model_type: str, formats: Sequence[int]) -> dict:
 def model_type_of(directory: str | Path) -> str | None:
     """The ``model_type`` in ``directory``'s ``config.json``; ``None`` when it has none or cannot be read."""
     try:
-        meta = json.loads((Path(directory) / CONFIG_FILE).read_text())
+        meta = read_json(Path(directory) / CONFIG_FILE)
     except (OSError, ValueError):
         return None
     return meta.get("model_type") if isinstance(meta, dict) else None
 
 
+def verify_files(directory: Path, meta: dict) -> None:
+    """Check every file ``config.json`` lists (``files``) against its size and SHA-256, and that the
+    tokenizer folder holds no file it does not list; a ``ValueError`` names the first that differs.
+
+    A folder written before digests were recorded (no ``files``) passes.
+    """
+    listed = meta.get("files")
+    if listed is None:
+        return
+    config = directory / CONFIG_FILE
+    if not isinstance(listed, dict) or not all(isinstance(entry, dict) for entry in listed.values()):
+        raise ValueError(f"{config}: 'files' must map each file to its size and sha256")
+    root = directory.resolve()
+    for name, entry in listed.items():
+        path = directory / name
+        if not path.resolve().is_relative_to(root) or not path.is_file():
+            raise ValueError(f"{config} lists {name}, which is not a file in {directory}")
+        require_regular(path)
+        if path.stat().st_size != entry.get("size") or sha256(path) != entry.get("sha256"):
+            raise ValueError(
+                f"{path} does not match {config}: it is not the file that was saved with the model "
+                "(an interrupted copy, or changed since); save or copy the model again"
+            )
+    extra = sorted(name for name in file_digests(directory) if name.startswith(f"{TOKENIZER_DIR}/") and name not in listed)
+    if extra:
+        raise ValueError(f"{directory / extra[0]} was not saved with the model ({config} does not list it): remove it")
+
+
+def read_header(directory: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of ``directory``'s weights, from the safetensors header (no tensor is read)."""
+    path = directory / WEIGHTS_FILE
+    require_regular(path)
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            return {key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a safetensors weights file: {first_line(err)}") from None
+
+
 def read_weights(directory: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """The tensors of ``directory``'s ``model.safetensors``."""
-    return load_file(directory / WEIGHTS_FILE, device=str(device))
+    """The tensors of ``directory``'s ``model.safetensors``; a ``ValueError`` for a damaged file or
+    a tensor with NaN or infinite values."""
+    path = directory / WEIGHTS_FILE
+    try:
+        state = load_file(path, device=str(device))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a safetensors weights file: {first_line(err)}") from None
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{path}: {key} holds NaN or infinite values: the weights are damaged (a diverged run?)")
+    return state
+
+
+def check_shapes(
+    expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]], directory: Path, described_by: str
+) -> None:
+    """A one-line ``ValueError`` when the weights file's tensors (``found``) are not those of the model
+    ``described_by`` describes (``expected``): a key of another shape, missing or extra."""
+    wrong = [key for key in found if key in expected and tuple(found[key]) != tuple(expected[key])]
+    if wrong:
+        key = wrong[0]
+        raise ValueError(
+            f"{directory / WEIGHTS_FILE} does not match {described_by}: {key} is {tuple(found[key])} "
+            f"in the file, {tuple(expected[key])} in the model they describe"
+        )
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory / WEIGHTS_FILE} does not match {described_by}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+
+
+Module = TypeVar("Module", bound=nn.Module)
+
+
+def build_checked(build: Callable[[], Module], header: Mapping[str, tuple[int, ...]], directory: Path, described_by: str) -> Module:
+    """``build()``, once its weights' shapes on the meta device (nothing allocated) match ``header``."""
+    try:
+        with torch.device("meta"):
+            skeleton = build()
+    except (ValueError, TypeError) as err:  # e.g. a timm name that is no vision transformer
+        raise ValueError(f"{described_by}: {first_line(err)}") from None
+    check_shapes({key: tuple(value.shape) for key, value in skeleton.state_dict().items()}, header, directory, described_by)
+    return build()
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], directory: Path, described_by: str) -> None:
     """Load ``state`` (read from ``directory``'s weights file) into ``model``, built from ``described_by``
     (the files that describe it); a key of another shape, missing or extra is a one-line ``ValueError``."""
-    own = model.state_dict()
-    wrong = [key for key, value in state.items() if key in own and value.shape != own[key].shape]
-    if wrong:
-        key = wrong[0]
-        raise ValueError(
-            f"{directory / WEIGHTS_FILE} does not match {described_by}: {key} is {tuple(state[key].shape)} "
-            f"in the file, {tuple(own[key].shape)} in the model they describe"
-        )
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise ValueError(
-            f"{directory / WEIGHTS_FILE} does not match {directory / CONFIG_FILE}: "
-            f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
-        )
+    check_shapes({key: tuple(value.shape) for key, value in model.state_dict().items()},
+                 {key: tuple(value.shape) for key, value in state.items()}, directory, described_by)
+    model.load_state_dict(state)
+
+
+def parse_config(path: Path, parse: Callable[[], Any]) -> Any:
+    """``parse()`` of what ``path`` holds; its error (a bad value, a key missing or of the wrong type)
+    as a one-line ``ValueError`` naming ``path``."""
+    try:
+        return parse()
+    except KeyError as err:
+        raise ValueError(f"{path}: missing {err.args[0]!r}") from None
+    except (ValueError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: {first_line(err)}") from None
 
 
 # ------------------------------------------------------------------------------ earlier formats

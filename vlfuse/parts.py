@@ -121,3 +121,22 @@ def check_type(where: str, value: Any, hint: Any) -> None:
     ok = isinstance(value, expected[base]) and not (base in (int, float) and isinstance(value, bool))
     if not ok:
         raise ValueError(f"{where} must be {getattr(base, '__name__', base)}, got {value!r}")
+
+
+MAX_LAYERS, MAX_HEADS, MAX_WIDTH, MAX_IMAGE_SIDE, MAX_TOKENS = 1024, 1024, 1 << 16, 1 << 13, 1 << 16
+"""The largest sizes a config may give (far above the largest models: ViT-22B has 48 blocks of width
+6144): a config file or a model folder's ``config.json`` past them is refused before anything is built."""
+
+
+def check_fields(config: Any, where: str) -> None:
+    """Check each field of the dataclass ``config`` against its simple type (see :func:`check_type`);
+    errors name ``where.field``."""
+    hints = typing.get_type_hints(type(config))
+    for spec in dataclasses.fields(config):
+        check_type(f"{where}.{spec.name}", getattr(config, spec.name), hints[spec.name])
+
+
+def check_range(where: str, value: int | None, low: int, high: int) -> None:
+    """A ``ValueError`` naming ``where`` when ``value`` (``None`` passes) is not between ``low`` and ``high``."""
+    if value is not None and not low <= value <= high:
+        raise ValueError(f"{where} must be between {low} and {high}, got {value}")

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from vlfuse import model_io
-from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, build_word_tokenizer, load_tokenizer
+from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, build_word_tokenizer, load_saved_tokenizer, load_tokenizer
+from vlfuse.parts import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, check_fields, check_range
 from vlfuse.heads.caption_decoder import CaptionDecoder, DecoderCache, DecoderOutput
 from vlfuse.model import ImageContext
 from vlfuse.processor import VLFuseProcessor
@@ -48,6 +49,13 @@ class CaptionConfig:
     attn_dropout: float = 0.0
     gated: bool = False
     max_length: int = 40
+
+    def __post_init__(self) -> None:
+        check_fields(self, "caption model")
+        check_range("dim", self.dim, 1, MAX_WIDTH)
+        check_range("depth", self.depth, 1, MAX_LAYERS)
+        check_range("heads", self.heads, 1, MAX_HEADS)
+        check_range("max_length", self.max_length, 2, MAX_TOKENS)
 
     @classmethod
     def from_dict(cls, data: dict) -> "CaptionConfig":
@@ -166,24 +174,31 @@ class CaptionModel(nn.Module):
 
     # ------------------------------------------------------------------------- save and load
     def save_pretrained(self, directory: str | Path) -> Path:
-        """Write weights (safetensors), config (JSON) and the tokenizer to ``directory``."""
-        directory = model_io.save_weights(self, directory)
+        """Write weights (safetensors), config (JSON) and the tokenizer to ``directory``, atomically
+        (as :meth:`VLFuseModel.save_pretrained <vlfuse.model.VLFuseModel.save_pretrained>`)."""
         meta = {"format_version": FORMAT_VERSION, "model_type": MODEL_TYPE, "config": asdict(self.config)}
-        model_io.write_json(directory / model_io.CONFIG_FILE, meta)
-        self.tokenizer.save_pretrained(directory / model_io.TOKENIZER_DIR)
-        return directory
+
+        def write_files(folder: Path) -> None:
+            model_io.save_weights(self, folder)
+            self.tokenizer.save_pretrained(folder / model_io.TOKENIZER_DIR)
+
+        return model_io.write_model_folder(directory, meta, write_files)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> "CaptionModel":
-        """Rebuild a model saved by :meth:`save_pretrained`; nothing is unpickled, no hub is needed."""
+        """Rebuild a model saved by :meth:`save_pretrained`, with the checks of
+        :meth:`VLFuseModel.from_pretrained <vlfuse.model.VLFuseModel.from_pretrained>`."""
         directory = Path(directory)
         files = (model_io.WEIGHTS_FILE, model_io.CONFIG_FILE, model_io.TOKENIZER_DIR)
         model_io.require_files(directory, files, "a saved vlfuse caption model")
         meta = model_io.read_meta(directory, MODEL_TYPE, (FORMAT_VERSION,))
-        config = CaptionConfig.from_dict(meta["config"])
-        processor = caption_processor(config, load_tokenizer(str(directory / model_io.TOKENIZER_DIR)))
-        model = cls(config, processor, load_pretrained=False)
-        model_io.load_weights(model, model_io.read_weights(directory, map_location), directory, str(directory / model_io.CONFIG_FILE))
+        model_io.verify_files(directory, meta)
+        config_file = directory / model_io.CONFIG_FILE
+        config = model_io.parse_config(config_file, lambda: CaptionConfig.from_dict(meta["config"]))
+        processor = caption_processor(config, load_saved_tokenizer(directory / model_io.TOKENIZER_DIR))
+        described_by = str(config_file)
+        model = model_io.build_checked(lambda: cls(config, processor, load_pretrained=False), model_io.read_header(directory), directory, described_by)
+        model_io.load_weights(model, model_io.read_weights(directory, map_location), directory, described_by)
         return model.to(map_location).eval()
 
 

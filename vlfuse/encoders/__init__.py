@@ -2,8 +2,8 @@
 
 from vlfuse.encoders.cache import FeatureCache, TokenCache
 from vlfuse.encoders.image import ImageEncoder, ImageEncoderConfig
-from vlfuse.encoders.text import TextEncoder, TextEncoderConfig, scratch_config
-from vlfuse.encoders.tokenizer import build_word_tokenizer, load_tokenizer
+from vlfuse.encoders.text import TextEncoder, TextEncoderConfig, saved_text_config, scratch_config
+from vlfuse.encoders.tokenizer import build_word_tokenizer, load_saved_tokenizer, load_tokenizer
 
 __all__ = [
     "FeatureCache",
@@ -13,6 +13,8 @@ __all__ = [
     "TextEncoderConfig",
     "TokenCache",
     "build_word_tokenizer",
+    "load_saved_tokenizer",
     "load_tokenizer",
+    "saved_text_config",
     "scratch_config",
 ]

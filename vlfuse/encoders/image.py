@@ -13,6 +13,7 @@ from torch import nn
 from vlfuse.encoders.cache import FeatureCache, tensor_key
 from vlfuse.encoders.hub import use_cache_if_hub_unreachable, weights_not_fetched
 from vlfuse.errors import first_line
+from vlfuse.parts import MAX_HEADS, MAX_IMAGE_SIDE, MAX_LAYERS, MAX_WIDTH, check_fields, check_range
 
 
 @dataclass
@@ -49,6 +50,19 @@ class ImageEncoderConfig:
     std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     freeze: bool = False
     cache_features: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "image")
+        check_range("image.image_size", self.image_size, 1, MAX_IMAGE_SIDE)
+        check_range("image.patch_size", self.patch_size, 1, self.image_size)
+        check_range("image.width", self.width, 1, MAX_WIDTH)
+        check_range("image.depth", self.depth, 0, MAX_LAYERS)
+        check_range("image.num_heads", self.num_heads, 1, MAX_HEADS)
+        for name in ("mean", "std"):
+            if len(getattr(self, name)) != 3:
+                raise ValueError(f"image.{name} must give 3 numbers (red, green, blue), got {getattr(self, name)}")
+        if not all(s > 0 for s in self.std):
+            raise ValueError(f"image.std must be positive, got {self.std}")
 
 
 class ImageEncoder(nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -10,6 +11,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from vlfuse.encoders.cache import FeatureCache
 from vlfuse.encoders.hub import load_named
+from vlfuse.parts import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, check_fields, check_range
 
 
 @dataclass
@@ -40,6 +42,35 @@ class TextEncoderConfig:
     max_length: int = 32
     freeze: bool = False
     cache_features: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "text")
+        check_range("text.width", self.width, 1, MAX_WIDTH)
+        check_range("text.depth", self.depth, 0, MAX_LAYERS)
+        check_range("text.num_heads", self.num_heads, 1, MAX_HEADS)
+        check_range("text.max_length", self.max_length, 1, MAX_TOKENS)
+
+
+SAVED_CONFIG_SIZES = {
+    "num_hidden_layers": (0, MAX_LAYERS), "num_attention_heads": (1, MAX_HEADS), "hidden_size": (1, MAX_WIDTH),
+    "intermediate_size": (1, 8 * MAX_WIDTH), "max_position_embeddings": (1, MAX_TOKENS), "vocab_size": (1, 1 << 24),
+}
+"""The sizes of a saved transformers config that are checked (an int in this range) before it is used."""
+
+
+def saved_text_config(data: object) -> PretrainedConfig:
+    """The transformers config a model folder saved (``config.json``'s ``text_encoder_config``), its
+    type and sizes checked first: a ``ValueError`` names the bad key."""
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ValueError("text_encoder_config must be a transformers config with a model_type")
+    for key, (low, high) in SAVED_CONFIG_SIZES.items():
+        if key in data:
+            value = data[key]
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"text_encoder_config.{key} must be an int, got {value!r}")
+            check_range(f"text_encoder_config.{key}", value, low, high)
+    options = dict(data)
+    return AutoConfig.for_model(options.pop("model_type"), **options)
 
 
 def scratch_config(config: TextEncoderConfig, vocab_size: int, pad_token_id: int) -> PretrainedConfig:
@@ -72,9 +103,9 @@ class TextEncoder(nn.Module):
         super().__init__()
         self.config = config
         if hf_config is not None:
-            self.model = AutoModel.from_config(hf_config)
+            self.model = AutoModel.from_config(hf_config, trust_remote_code=False)
         elif config.name is not None:
-            self.model = load_named(AutoModel.from_pretrained, config.name, "the text encoder")
+            self.model = load_named(partial(AutoModel.from_pretrained, trust_remote_code=False), config.name, "the text encoder")
         else:
             raise ValueError("a from-scratch text encoder needs its transformers config")
         if getattr(self.model, "pooler", None) is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
+from pathlib import Path
 from typing import Iterable
 
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
@@ -43,5 +45,18 @@ def build_word_tokenizer(questions: Iterable[str], max_length: int) -> PreTraine
 
 
 def load_tokenizer(name_or_dir: str):
-    """A saved or pretrained tokenizer, by hub name, local directory or ``package:`` name."""
-    return load_named(AutoTokenizer.from_pretrained, name_or_dir, "a tokenizer")
+    """A saved or pretrained tokenizer, by hub name, local directory or ``package:`` name (no code
+    that a folder names is run: ``trust_remote_code=False``)."""
+    return load_named(partial(AutoTokenizer.from_pretrained, trust_remote_code=False), name_or_dir, "a tokenizer")
+
+
+def load_saved_tokenizer(folder: Path, vocab_size: int | None = None):
+    """The tokenizer a model folder saved in ``folder``, read from local files only, with no code run;
+    with ``vocab_size`` (the text encoder's embeddings), a ``ValueError`` when it gives larger ids."""
+    tokenizer = load_named(
+        partial(AutoTokenizer.from_pretrained, trust_remote_code=False, local_files_only=True), str(folder), "a tokenizer"
+    )
+    largest = max(tokenizer.get_vocab().values(), default=-1)
+    if vocab_size is not None and largest >= vocab_size:
+        raise ValueError(f"{folder} gives token ids up to {largest}, but the text encoder has {vocab_size} embeddings")
+    return tokenizer

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig
-from vlfuse.parts import EVIDENCE
+from vlfuse.parts import EVIDENCE, MAX_HEADS, check_range
 from vlfuse.layers import CrossAttention, FusionBlock
 
 GATE_BIAS = -1.0
@@ -47,6 +47,10 @@ class CellStepsConfig(FuserConfig):
     dropout: float = 0.0
     reads_words = True
     gives = EVIDENCE
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("fuser.heads", self.heads, 1, MAX_HEADS)
 
     def build(self, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> "CellStepsFuser":
         return CellStepsFuser(self, dim, text_width=text_width, grid_size=grid_size)

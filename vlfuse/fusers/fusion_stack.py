@@ -10,6 +10,7 @@ import torch
 
 from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig
 from vlfuse.layers import CrossAttention, FusionStack, ProjectedContext, head_diversity
+from vlfuse.parts import MAX_HEADS, MAX_LAYERS, check_range
 
 
 @FUSERS.register
@@ -54,8 +55,8 @@ class FusionStackConfig(FuserConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.depth < 1:
-            raise ValueError(f"fuser.depth must be at least 1, got {self.depth}")
+        check_range("fuser.depth", self.depth, 1, MAX_LAYERS)
+        check_range("fuser.heads", self.heads, 1, MAX_HEADS)
         if self.diversity_weight < 0:
             raise ValueError(f"fuser.diversity_weight must be >= 0, got {self.diversity_weight}")
 
