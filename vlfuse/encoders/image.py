@@ -104,6 +104,8 @@ class ImageEncoder(nn.Module):
             if not from_hub:
                 raise
             raise ValueError(hub_failure(config.name, err)) from err
+        except TypeError as err:  # a model without the ViT's options (img_size, patch_size, ...)
+            raise ValueError(f"image encoder {config.name!r} is not a vision transformer with patch tokens: {first_line(err)}") from None
         if not hasattr(self.vit, "forward_features") or not hasattr(self.vit, "patch_embed"):
             raise ValueError(f"image encoder {config.name!r} is not a vision transformer with patch tokens")
         self.register_buffer("mean", torch.tensor(config.mean).view(1, 3, 1, 1), persistent=False)
