@@ -219,6 +219,18 @@ def test_vlfuse_prune_errors_are_one_line(trained, tmp_path, capsys, extra, mess
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_a_model_already_in_out_is_replaced_only_with_overwrite(trained, tmp_path, capsys):
+    out = VLFuseModel.from_pretrained(trained / "model").save_pretrained(tmp_path / "out")
+    before = (out / "model.safetensors").read_bytes()
+    args = ["prune", "--model", str(trained / "model"), "--config", str(EASY_VQA), "--score", "weight_norm",
+            "--fraction", "0.5", "--limit-images", "4", "--latency-repeats", "1", "--out", str(out)]
+    assert vlfuse_main(args) == 2
+    assert capsys.readouterr().err == f"vlfuse: error: --out {out} is not empty: give a new folder, or --overwrite to replace the model saved there\n"
+    assert (out / "model.safetensors").read_bytes() == before
+    assert vlfuse_main([*args, "--overwrite"]) == 0
+    assert heads_per_layer(VLFuseModel.from_pretrained(out)) == [8]
+
+
 def test_a_model_whose_fuser_has_no_attention_heads_is_refused_in_one_line(tmp_path, capsys):
     torch.manual_seed(0)
     model = VLFuseModel.from_config(reader_config("map_program"), ["false", "true"], ["is a circle red"])

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", type=Path, required=True, help="saved model directory (save_pretrained)")
     parser.add_argument("--config", type=Path, required=True, help="YAML config whose data: section gives the data")
-    parser.add_argument("--out", type=Path, required=True, help="directory to save the pruned model to")
+    parser.add_argument("--out", type=Path, required=True, help="directory to save the pruned model to (a new one, unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the model already saved in --out")
     parser.add_argument(
         "--score", choices=SCORES, required=True,
         help="how heads are ranked, the lowest going first: weight_norm (norm of the head's query rows), "
@@ -138,6 +139,8 @@ def main(argv: list[str]) -> int:
     set_threads(args.threads)
     if args.out.resolve() == args.model.resolve():
         raise ValueError(f"--out must differ from --model ({args.model}): the pruned model would overwrite it")
+    if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
+        raise ValueError(f"--out {args.out} is not empty: give a new folder, or --overwrite to replace the model saved there")
     if args.finetune_epochs < 0:
         raise ValueError(f"--finetune-epochs must be at least 0, got {args.finetune_epochs}")
     config = read_config(args.config)
