@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from vlfuse.commands import SUBCOMMANDS
 from vlfuse.inference.captioner import Captioner
-from vlfuse.inference.jsonl import read_rows, write_rows
+from vlfuse.inference.jsonl import JsonlOutput, read_rows, write_rows
 from vlfuse.runtime import add_device_argument, add_threads_argument
 
 
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--input", type=Path, help="JSONL file, one {\"image\": PATH} per line; "
                         "relative paths are relative to this file")
     parser.add_argument("--output", type=Path,
-                        help="with --input: JSONL file to write, one line per input line, in order (default: standard output)")
+                        help="with --input: JSONL file to write, one line per input line, in order (default: standard "
+                        "output); written batch by batch to .NAME.partial beside it, renamed onto it at the end")
     parser.add_argument("--beam-size", type=int, default=1, metavar="K", help="beam search with K beams (default 1: greedy)")
     parser.add_argument("--length-penalty", type=float, default=1.0, metavar="P",
                         help="beam search ranks log-probability / length ** P (default 1.0)")
@@ -50,24 +52,40 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.output is not None and args.input is None:
         parser.error("--output goes with --input")
-    captioner = Captioner.from_pretrained(args.model, device=args.device, batch_size=args.batch_size, threads=args.threads)
-    options = {
-        "beam_size": args.beam_size,
-        "length_penalty": args.length_penalty,
-        "max_length": args.max_length,
-        "attention_maps": args.attention_maps,
-        "attention_layers": args.attention_layers,
-    }
-    if args.image is not None:
-        [result] = captioner.caption([args.image], **options)
-        print(result["caption"])
-        if "attention_maps" in result:
-            print(f"vlfuse caption: wrote {len(result['attention_maps']['png'])} attention maps to {args.attention_maps}",
-                  file=sys.stderr)
-        return 0
-    rows = read_rows(args.input, keys=("image",))
+    # The output is checked and locked first: a second run writing the same file stops before loading the model.
+    with nullcontext() if args.image is not None else JsonlOutput(args.output, args.input) as out:
+        captioner = Captioner.from_pretrained(
+            args.model, device=args.device, batch_size=args.batch_size, threads=args.threads
+        )
+        options = {
+            "beam_size": args.beam_size,
+            "length_penalty": args.length_penalty,
+            "max_length": args.max_length,
+            "attention_maps": args.attention_maps,
+            "attention_layers": args.attention_layers,
+        }
+        if args.image is not None:
+            return _caption_one(captioner, args.image, options)
+        return _caption_file(captioner, args.input, out, options)
+
+
+def _caption_one(captioner: Captioner, image: str, options: dict) -> int:
+    """Print the caption of ``image``; a bad image or a non-finite score is a one-line error (``ValueError``)."""
+    [result] = captioner.caption([image], errors="report", **options)
+    if "error" in result:
+        raise ValueError(result["error"])
+    print(result["caption"])
+    if "attention_maps" in result:
+        print(f"vlfuse caption: wrote {len(result['attention_maps']['png'])} attention maps to {options['attention_maps']}",
+              file=sys.stderr)
+    return 0
+
+
+def _caption_file(captioner: Captioner, source: Path, out: JsonlOutput, options: dict) -> int:
+    """Caption every line of ``source``; write the JSONL to ``out`` batch by batch."""
+    rows = read_rows(source, keys=("image",))
     readable = [row for row in rows if row.error is None]
-    results = captioner.caption(
+    batches = captioner.caption_batches(
         [row.image for row in readable], names=[f"line {row.line}" for row in readable], errors="report", **options
     )
-    return write_rows(rows, iter(results), args.output, "vlfuse caption", "captioned", args.attention_maps)
+    return write_rows(rows, batches, out, "vlfuse caption", "captioned", options["attention_maps"])

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import warnings
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from vlfuse.commands import SUBCOMMANDS
-from vlfuse.inference.jsonl import read_rows, write_rows
+from vlfuse.inference.jsonl import JsonlOutput, read_rows, write_rows
 from vlfuse.inference.predictor import PROGRESS_MIN_PAIRS, PredictWarning, Predictor
 from vlfuse.runtime import add_device_argument, add_threads_argument
 
@@ -32,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     many.add_argument("--input", type=Path, help="JSONL file, one {\"image\": PATH, \"question\": TEXT} per line; "
                       "relative paths are relative to this file")
     many.add_argument("--output", type=Path,
-                      help="JSONL file to write, one line per input line, in order (default: standard output)")
+                      help="JSONL file to write, one line per input line, in order (default: standard output); "
+                      "written batch by batch to .NAME.partial beside it, renamed onto it at the end")
     parser.add_argument("--top-k", type=int, default=1, metavar="K", help="also give the K best answers")
     parser.add_argument("--batch-size", type=int, default=64, help="pairs per forward pass (default 64)")
     add_device_argument(parser)
@@ -52,19 +54,23 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     one_pair = _mode(parser, args) == "one pair"
-    predictor = Predictor.from_pretrained(args.model, device=args.device, batch_size=args.batch_size, threads=args.threads)
-    options = {
-        "top_k": args.top_k,
-        "errors": "report",
-        "attention_maps": args.attention_maps,
-        "attention_layers": args.attention_layers,
-        "attention_token": args.attention_token,
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PredictWarning)  # printed below, with the line they belong to
-        if one_pair:
-            return _predict_one(predictor, args.image, args.question, options)
-        return _predict_file(predictor, args.input, args.output, options)
+    # The output is checked and locked first: a second run writing the same file stops before loading the model.
+    with nullcontext() if one_pair else JsonlOutput(args.output, args.input) as out:
+        predictor = Predictor.from_pretrained(
+            args.model, device=args.device, batch_size=args.batch_size, threads=args.threads
+        )
+        options = {
+            "top_k": args.top_k,
+            "errors": "report",
+            "attention_maps": args.attention_maps,
+            "attention_layers": args.attention_layers,
+            "attention_token": args.attention_token,
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PredictWarning)  # printed below, with the line they belong to
+            if one_pair:
+                return _predict_one(predictor, args.image, args.question, options)
+            return _predict_file(predictor, args.input, out, options)
 
 
 def _mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
@@ -94,17 +100,15 @@ def _predict_one(predictor: Predictor, image: str, question: str, options: dict)
     return 0
 
 
-def _predict_file(predictor: Predictor, source: Path, target: Path | None, options: dict) -> int:
-    """Answer every line of ``source``; write JSONL to ``target``, or to standard output when ``None``."""
+def _predict_file(predictor: Predictor, source: Path, out: JsonlOutput, options: dict) -> int:
+    """Answer every line of ``source``; write the JSONL to ``out`` batch by batch."""
     rows = read_rows(source)
     readable = [row for row in rows if row.error is None]
-    results = iter(
-        predictor.predict(
-            [row.image for row in readable],
-            [row.fields["question"] for row in readable],
-            names=[f"line {row.line}" for row in readable],
-            progress=len(readable) > PROGRESS_MIN_PAIRS and sys.stderr.isatty(),
-            **options,
-        )
+    batches = predictor.predict_batches(
+        [row.image for row in readable],
+        [row.fields["question"] for row in readable],
+        names=[f"line {row.line}" for row in readable],
+        progress=len(readable) > PROGRESS_MIN_PAIRS and sys.stderr.isatty(),
+        **options,
     )
-    return write_rows(rows, results, target, "vlfuse predict", "answered", options["attention_maps"])
+    return write_rows(rows, batches, out, "vlfuse predict", "answered", options["attention_maps"])

@@ -8,12 +8,13 @@ through ``image_index``.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Hashable, Sequence
+from typing import Hashable, Iterator, Sequence
 
 import torch
 from PIL import Image
@@ -34,6 +35,15 @@ PROGRESS_MIN_PAIRS = 256
 
 class PredictWarning(UserWarning):
     """A question the model reads differently from how it was written: truncated, or with unknown words."""
+
+
+def non_finite(values: Sequence[float], what: str) -> str | None:
+    """The error for model outputs ``values`` of which one is NaN or infinite (``what`` they are, e.g.
+    ``"scores"``), or ``None`` when all are finite: such outputs come from broken weights, not answers."""
+    bad = next((v for v in values if not math.isfinite(v)), None)
+    if bad is None:
+        return None
+    return f"the model gave non-finite {what} ({bad}); its weights may be damaged or overflow"
 
 
 @dataclass
@@ -128,9 +138,9 @@ class Predictor(ModelRunner):
                 path or object for several questions about one image.
             questions: the questions.
             top_k: also return the ``top_k`` best answers (when above 1).
-            errors: ``"raise"``: a bad pair (unreadable image, empty question) raises a
-                ``ValueError`` naming it, before any answer for question errors. ``"report"``: a
-                bad pair gets ``{"error": message}`` and every other pair is answered.
+            errors: ``"raise"``: a bad pair (unreadable image, empty question, scores that are not
+                finite) raises a ``ValueError`` naming it, before any answer for question errors.
+                ``"report"``: a bad pair gets ``{"error": message}`` and every other pair is answered.
             attention_maps: a directory: for each pair, write a PNG per layer with one panel per
                 head and the head average, the drawn weights (``NAME.npz``, ``layer_L``: ``(H, Li)``
                 over all image tokens, prefix tokens first) and a JSON sidecar (``NAME.json``).
@@ -146,37 +156,75 @@ class Predictor(ModelRunner):
             ``top_k`` (a list of ``{answer, score}``, best first) when ``top_k > 1``, ``warnings``
             when the question was truncated or has unknown words (each also issued as a
             :class:`PredictWarning`), ``attention_maps`` (the files written) when asked;
-            or ``error`` (and no answer) for a bad pair with ``errors="report"``.
+            or ``error`` (and no answer) for a bad pair with ``errors="report"``, among them a pair
+            whose scores are NaN or infinite (a model with broken weights).
+        """
+        batches = self.predict_batches(
+            images, questions, top_k, errors=errors, attention_maps=attention_maps, attention_layers=attention_layers,
+            attention_token=attention_token, names=names, progress=progress,
+        )
+        return [result for batch in batches for result in batch]
+
+    def predict_batches(
+        self,
+        images: Sequence[ImageSource],
+        questions: Sequence[str],
+        top_k: int = 1,
+        *,
+        errors: str = "raise",
+        attention_maps: str | Path | None = None,
+        attention_layers: Sequence[int] | None = None,
+        attention_token: int | None = None,
+        names: Sequence[str] | None = None,
+        progress: bool = False,
+    ) -> Iterator[list[dict]]:
+        """:meth:`predict`, yielding its results as the batches are answered: each item is a list of
+        the next results in input order (together, :meth:`predict`'s list), so that a caller can write
+        them before the rest is done. The arguments are checked, the questions read and their
+        warnings issued when this is called; the model runs as the items are taken.
+
+        Questions about one image are answered in one batch, so a batch may finish rows after ones
+        that are not answered yet: those results wait for the rows before them.
         """
         layers = self._check_arguments(
             images, questions, names, top_k, errors, attention_maps, attention_layers, attention_token
         )
         names = [f"row {i}" for i in range(len(questions))] if names is None else list(names)
         with using_threads(self.threads):
-            return self._predict(images, questions, names, top_k, errors, attention_maps, layers, attention_token, progress)
-
-    def _predict(
-        self, images, questions, names, top_k, errors, attention_maps, layers, attention_token, progress
-    ) -> list[dict]:
-        """:meth:`predict` on checked arguments."""
-        pairs = self._prepare(images, questions, names, attention_token)
+            pairs = self._prepare(images, questions, names, attention_token)
         self._raise_or_warn(pairs, raise_errors=errors == "raise")
         writer = None
         if attention_maps is not None:
             writer = QuestionAttentionWriter(self.model, attention_maps, layers, attention_token)
+        return self._batches(pairs, top_k, errors == "raise", writer, progress)
+
+    def _batches(
+        self, pairs: list[_Pair], top_k: int, raise_errors: bool, writer: QuestionAttentionWriter | None, progress: bool
+    ) -> Iterator[list[dict]]:
+        """:meth:`predict_batches` on prepared pairs. Each batch runs with the predictor's threads and
+        in inference mode, both left between batches: the caller's code between items runs as its own."""
         results: dict[int, dict] = {}
         batches, last_batch = self._plan(pairs)
+        pending = {row for rows in batches for row in rows}
         encoded: dict[Hashable, _EncodedImage] = {}
         failed: dict[Hashable, str] = {}
-        bar = tqdm(total=sum(map(len, batches)), unit="pair", disable=not progress, file=sys.stderr)
-        with bar, torch.inference_mode():
+        start = 0
+        bar = tqdm(total=len(pending), unit="pair", disable=not progress, file=sys.stderr)
+        with bar:
             for b, rows in enumerate(batches):
-                self._encode_new_images([pairs[r] for r in rows], encoded, failed, raise_errors=errors == "raise")
-                results.update(self._answer(rows, pairs, encoded, top_k, writer))
+                with using_threads(self.threads), torch.inference_mode():
+                    self._encode_new_images([pairs[r] for r in rows], encoded, failed, raise_errors)
+                    results.update(self._answer(rows, pairs, encoded, top_k, writer, raise_errors))
                 for key in [k for k in encoded if last_batch[k] == b]:
                     del encoded[key]  # no later batch asks about this image
                 bar.update(len(rows))
-        return [self._finish(pair, results.get(i)) for i, pair in enumerate(pairs)]
+                pending.difference_update(rows)
+                stop = next((r for r in range(start, len(pairs)) if r in pending), len(pairs))
+                if stop > start:
+                    yield [self._finish(pairs[r], results.pop(r, None)) for r in range(start, stop)]
+                    start = stop
+        if start < len(pairs):  # no batch at all: every pair has an error
+            yield [self._finish(pair, None) for pair in pairs[start:]]
 
     # ------------------------------------------------------------------------ checking the input
     def _check_arguments(
@@ -307,8 +355,10 @@ class Predictor(ModelRunner):
         encoded: dict[Hashable, _EncodedImage],
         top_k: int,
         writer: QuestionAttentionWriter | None,
+        raise_errors: bool,
     ) -> dict[int, dict]:
-        """One forward pass over the readable pairs of a batch: ``{row: result}``."""
+        """One forward pass over the readable pairs of a batch: ``{row: result}``; a pair whose
+        scores are not finite gets an error instead (or raises one)."""
         rows = [r for r in rows if pairs[r].error is None]
         if not rows:
             return {}
@@ -329,6 +379,11 @@ class Predictor(ModelRunner):
         scores, best = out.logits.float().softmax(-1).topk(top_k, dim=-1)  # each (Bq, top_k)
         results = {}
         for j, row in enumerate(rows):
+            pairs[row].error = non_finite(scores[j].tolist(), "scores")
+            if pairs[row].error is not None:
+                if raise_errors:
+                    raise ValueError(f"{pairs[row].name}: {pairs[row].error}")
+                continue
             result = self._result(scores[j].tolist(), best[j].tolist(), top_k)
             if writer is not None:
                 weights = {layer: w[j] for layer, w in out.attentions.items()}  # (H, Lt, Li) each
