@@ -7,6 +7,7 @@ what its config claims before the weights file is checked.
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -326,3 +327,37 @@ def test_a_saved_model_still_answers_as_it_did(saved):
     model, _ = make_model()
     torch.testing.assert_close(logits(VLFuseModel.from_pretrained(directory), batch), logits(model.eval(), batch), atol=0, rtol=0)
     assert VLFuseModel.from_pretrained(directory).answers == COLOUR_ANSWERS
+
+
+# ------------------------------------------------------------------------------ through vlfuse test
+def lightning_test_args(tmp_path: Path) -> list[str]:
+    from conftest import REPO, tiny_overrides
+
+    return ["test", "--config", str(REPO / "configs" / "easy_vqa.yaml"), *tiny_overrides(8),
+            f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.logger=false"]
+
+
+def test_vlfuse_test_refuses_a_damaged_pretrained_folder_in_one_line(folder, tmp_path, capsys):
+    (folder / "model.safetensors").write_bytes(b"")
+    assert vlfuse_main([*lightning_test_args(tmp_path), f"--model.pretrained={folder}"]) == 2
+    err = capsys.readouterr().err
+    assert f"vlfuse: error: {folder / 'model.safetensors'} does not match" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "write, message",
+    [
+        (lambda path: torch.save({"state_dict": {}, "hparams": argparse.Namespace(lr=1)}, path),
+         "--ckpt_path: the checkpoint holds a Python object (argparse.Namespace) that loading it would have to run code for"),
+        (lambda path: path.write_bytes(bytes(range(256))), "--ckpt_path: not a checkpoint torch can read"),
+        (lambda path: torch.save({"state_dict": {"w": torch.zeros(64)}}, path) or path.write_bytes(path.read_bytes()[:200]),
+         "--ckpt_path: the checkpoint is damaged or truncated"),
+    ],
+    ids=["pickled object", "random bytes", "truncated"],
+)
+def test_vlfuse_test_refuses_a_checkpoint_it_cannot_read_safely_in_one_line(tmp_path, capsys, write, message):
+    checkpoint = tmp_path / "given.ckpt"
+    write(checkpoint)
+    assert vlfuse_main([*lightning_test_args(tmp_path), f"--ckpt_path={checkpoint}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vlfuse: error: {message}") and err.count("\n") == 1, err

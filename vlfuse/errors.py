@@ -67,6 +67,28 @@ def moved_option(message: str) -> str | None:
     )
 
 
+UNSAFE_GLOBAL = re.compile(r"Unsupported global: GLOBAL (?P<name>[\w.]+)")
+"""torch's ``weights_only`` refusal of a pickled object, naming its class."""
+
+
+def unreadable_checkpoint(err: BaseException, subcommand: str) -> str | None:
+    """The line for a checkpoint that ``torch.load(weights_only=True)`` refuses (it would run code
+    to unpickle it) or cannot read (damaged, truncated); ``None`` for another error."""
+    message = str(err)
+    option = "--ckpt_path" if subcommand in ("fit", "validate", "test") else "the checkpoint"
+    if type(err).__name__ == "UnpicklingError":
+        if match := UNSAFE_GLOBAL.search(message):
+            return (
+                f"{option}: the checkpoint holds a Python object ({match['name']}) that loading it would have to run "
+                "code for; vlfuse reads checkpoints with torch.load(weights_only=True) only: give one written by vlfuse fit"
+            )
+        reason = message.split("WeightsUnpickler error:", 1)[-1]
+        return f"{option}: not a checkpoint torch can read ({first_line(ValueError(reason))})"
+    if "PytorchStreamReader failed" in message:
+        return f"{option}: the checkpoint is damaged or truncated ({first_line(err).split('. ')[0]})"
+    return None
+
+
 def unwrap_union(err: BaseException) -> BaseException:
     """The error inside a jsonargparse Union dump (e.g. ``batch_size must be at least 1`` raised by
     the class that the dump tried to build); ``err`` itself when it is not a dump, or when the
@@ -147,6 +169,8 @@ def error_line(err: BaseException, subcommand: str) -> str | None:
     if line := missing_metric(message):
         return line
     if line := moved_option(message):
+        return line
+    if line := unreadable_checkpoint(inner, subcommand):
         return line
     if inner is not err:
         return first_line(inner)
