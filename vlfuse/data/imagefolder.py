@@ -12,7 +12,11 @@ the label and all of them give the soft accuracy. Rows naming the same image bec
 
 Every row is checked, and every image decoded once, when the split is loaded: a bad row raises a
 :class:`BadRowError` whose one line names the metadata file, the line and the image, or, with
-``skip_bad_rows``, is left out and counted.
+``skip_bad_rows``, is left out and counted. A ``file_name`` must stay inside the split's folder
+once ``..`` and symbolic links are resolved (an absolute path, or one that climbs out, is a bad
+row) unless ``allow_outside_paths`` is set. Images are opened by
+:func:`~vlfuse.data.transforms.open_image`, so an image over
+:data:`~vlfuse.data.transforms.MAX_IMAGE_PIXELS` is a bad row too, found before it is decoded.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, Iterable, Mapping
 from PIL import Image
 
 from vlfuse.data.records import ImageQuestions, ImageSource
-from vlfuse.data.transforms import ImageLoadError, load_image
+from vlfuse.data.transforms import ImageLoadError, load_image, open_image
 from vlfuse.data.vqa_v2 import majority_answer, normalize_answer
 
 METADATA_FILE = "metadata.jsonl"
@@ -83,15 +87,20 @@ def _question_and_answers(row: Any, columns: Mapping[str, str], where: str) -> t
 
 
 class _Checked:
-    """Decodes each distinct image once and remembers what went wrong with it."""
+    """Decodes each distinct image once and remembers what went wrong with it.
 
-    def __init__(self) -> None:
+    ``image_size``: the side images will be resized to (JPEGs then decode at a reduced scale, as in
+    training); ``None`` decodes them at full size.
+    """
+
+    def __init__(self, image_size: int | None = None) -> None:
         self.errors: dict[str, str | None] = {}
+        self.image_size = image_size
 
     def __call__(self, key: str, image: ImageSource, where: str) -> None:
         if key not in self.errors:
             try:
-                load_image(image)
+                load_image(image, self.image_size)
                 self.errors[key] = None
             except ImageLoadError as err:
                 self.errors[key] = str(err).splitlines()[0]
@@ -124,9 +133,22 @@ def _group(rows: Iterable[_Row | BadRowError], skip_bad_rows: bool) -> LoadedSpl
     return LoadedSplit(list(by_image.values()), skipped)
 
 
-def _folder_rows(split_dir: Path, metadata: Path) -> Iterable[_Row | BadRowError]:
+def _inside(split_dir: Path, file_name: str, where: str) -> Path:
+    """``split_dir / file_name``, which must lie inside ``split_dir`` once ``..`` and links are resolved."""
+    path = split_dir / file_name
+    if not path.resolve().is_relative_to(split_dir.resolve()):
+        raise BadRowError(
+            f"{where}: file_name {file_name!r} is outside the split folder {split_dir} "
+            "(allow_outside_paths reads it)"
+        )
+    return path
+
+
+def _folder_rows(
+    split_dir: Path, metadata: Path, image_size: int | None, allow_outside_paths: bool
+) -> Iterable[_Row | BadRowError]:
     columns = {"image": "file_name", "question": "question", "answer": "answer", "answers": "answers"}
-    check = _Checked()
+    check = _Checked(image_size)
     with metadata.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
@@ -141,20 +163,30 @@ def _folder_rows(split_dir: Path, metadata: Path) -> Iterable[_Row | BadRowError
                     raise BadRowError(f"{where}: not valid JSON: {err.msg} (column {err.colno})") from None
                 question, answer, humans = _question_and_answers(row, columns, where)
                 file_name = _text(row, columns["image"], where)
-                path = split_dir / file_name
+                path = split_dir / file_name if allow_outside_paths else _inside(split_dir, file_name, where)
                 check(file_name, path, where)
                 yield _Row(file_name, str(path), question, answer, humans)
             except BadRowError as err:
                 yield err
 
 
-def load_imagefolder_split(split_dir: str | Path, *, skip_bad_rows: bool = False) -> LoadedSplit:
+def load_imagefolder_split(
+    split_dir: str | Path,
+    *,
+    skip_bad_rows: bool = False,
+    image_size: int | None = None,
+    allow_outside_paths: bool = False,
+) -> LoadedSplit:
     """Read one split folder (images and ``metadata.jsonl``).
 
     Args:
         split_dir: the folder, e.g. ``DATA/train``.
-        skip_bad_rows: leave out (and count) rows with malformed JSON, no question, no answer, or a
-            missing or unreadable image, instead of raising.
+        skip_bad_rows: leave out (and count) rows with malformed JSON, no question, no answer, a
+            missing, unreadable or too large image, or a path outside ``split_dir``, instead of raising.
+        image_size: the side images will be resized to, so that each is checked as training decodes
+            it; ``None`` checks them at full size.
+        allow_outside_paths: read a ``file_name`` that is absolute or leads outside ``split_dir``
+            (through ``..`` or a symbolic link) instead of refusing it.
 
     Raises:
         FileNotFoundError: no ``metadata.jsonl`` in ``split_dir``.
@@ -164,7 +196,7 @@ def load_imagefolder_split(split_dir: str | Path, *, skip_bad_rows: bool = False
     metadata = split_dir / METADATA_FILE
     if not metadata.is_file():
         raise FileNotFoundError(f"{metadata} not found: an imagefolder split is a folder of images with a {METADATA_FILE}")
-    return _group(_folder_rows(split_dir, metadata), skip_bad_rows)
+    return _group(_folder_rows(split_dir, metadata, image_size, allow_outside_paths), skip_bad_rows)
 
 
 def _hub_image(value: Any, where: str) -> tuple[str, ImageSource]:
@@ -175,7 +207,8 @@ def _hub_image(value: Any, where: str) -> tuple[str, ImageSource]:
         data = value.get("bytes")
         if not data:
             return value["path"], value["path"]
-        return value.get("path") or hashlib.sha1(data).hexdigest(), Image.open(io.BytesIO(data))
+        key = value.get("path") or hashlib.sha1(data).hexdigest()
+        return key, open_image(io.BytesIO(data), value.get("path") or "the image")
     if isinstance(value, Image.Image):
         return hashlib.sha1(value.tobytes()).hexdigest(), value
     raise BadRowError(f"{where}: the image column holds {type(value).__name__}, not an image")
@@ -190,8 +223,10 @@ def _hub_rows(rows: Iterable[Mapping], columns: Mapping[str, str], source: str) 
             key, image = _hub_image(row.get(columns["image"]), where)
             check(key, image, where)
             yield _Row(key, image, question, answer, humans)
-        except (BadRowError, OSError) as err:
-            yield err if isinstance(err, BadRowError) else BadRowError(f"{where}: cannot read the image: {err}")
+        except BadRowError as err:
+            yield err
+        except ImageLoadError as err:
+            yield BadRowError(f"{where}: {err}")
 
 
 def records_from_rows(

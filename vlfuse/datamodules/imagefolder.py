@@ -34,8 +34,12 @@ class ImageFolderDataModule(VQADataModule):
         dataset_config: the ``datasets`` configuration name, if the dataset has several.
         columns: for ``dataset``: which column holds ``image``, ``question``, ``answer`` (a string)
             and ``answers`` (a list of human answers); unnamed ones keep those names.
-        skip_bad_rows: leave out rows with malformed JSON, no question, no answer, or a missing or
-            unreadable image (the count per split is printed) instead of stopping.
+        skip_bad_rows: leave out rows with malformed JSON, no question, no answer, a missing,
+            unreadable or too large image, or a path outside the split's folder (the count per
+            split is printed) instead of stopping.
+        allow_outside_paths: for ``data_dir``: read a ``file_name`` that is absolute or leads
+            outside its split's folder (through ``..`` or a symbolic link); by default such a row
+            is a bad row.
         top_k_answers: answer classes: the most frequent training answers; ``None`` keeps every
             answer. Questions answered otherwise are ignored by the loss.
         **kwargs: see :class:`VQADataModule`.
@@ -48,6 +52,7 @@ class ImageFolderDataModule(VQADataModule):
         dataset_config: str | None = None,
         columns: dict[str, str] | None = None,
         skip_bad_rows: bool = False,
+        allow_outside_paths: bool = False,
         top_k_answers: int | None = None,
         **kwargs,
     ) -> None:
@@ -63,6 +68,7 @@ class ImageFolderDataModule(VQADataModule):
         self.dataset_config = dataset_config
         self.columns = columns
         self.skip_bad_rows = skip_bad_rows
+        self.allow_outside_paths = allow_outside_paths
         self.top_k_answers = top_k_answers
 
     def has_split(self, split: str) -> bool:
@@ -83,7 +89,12 @@ class ImageFolderDataModule(VQADataModule):
 
     def _load(self, folder: str) -> LoadedSplit:
         if self.data_dir is not None:
-            return load_imagefolder_split(self.data_dir / folder, skip_bad_rows=self.skip_bad_rows)
+            return load_imagefolder_split(
+                self.data_dir / folder,
+                skip_bad_rows=self.skip_bad_rows,
+                image_size=self.image_size,
+                allow_outside_paths=self.allow_outside_paths,
+            )
         return load_hub_split(
             self.dataset_name, folder, self.columns, config_name=self.dataset_config, skip_bad_rows=self.skip_bad_rows
         )
