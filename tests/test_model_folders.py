@@ -15,6 +15,8 @@ import random
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -361,3 +363,60 @@ def test_vlfuse_test_refuses_a_checkpoint_it_cannot_read_safely_in_one_line(tmp_
     assert vlfuse_main([*lightning_test_args(tmp_path), f"--ckpt_path={checkpoint}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"vlfuse: error: {message}") and err.count("\n") == 1, err
+
+
+# ------------------------------------------------------------------------------ vlfuse fit killed in its export
+def fit_command(root: Path, seed: int, export: Path) -> list[str]:
+    from conftest import REPO, tiny_cli_args
+
+    return [sys.executable, "-m", "vlfuse.cli", "fit", "--config", str(REPO / "configs" / "easy_vqa.yaml"),
+            *tiny_cli_args(root), f"--export.dirpath={export}", f"--seed_everything={seed}", "--threads=1",
+            "--trainer.max_epochs=1", "--test_after_fit=false"]
+
+
+def kill_when_staging_appears(command: list[str], target: Path, delay: float) -> bool:
+    """Run ``command``; SIGKILL it ``delay`` seconds after a save into ``target`` began (its hidden
+    staging folder appeared). Returns whether the kill came before the process ended."""
+    pattern = f".{target.name}{model_io.STAGING}"
+
+    def staging() -> set[str]:
+        return {entry.name for entry in os.scandir(target.parent) if entry.name.startswith(pattern)}
+
+    abandoned = staging()  # by an earlier kill: the next save removes them
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while process.poll() is None:
+        if staging() - abandoned:
+            time.sleep(delay)
+            process.kill()
+            break
+        time.sleep(0.0005)
+    return process.wait() == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_vlfuse_fit_killed_at_many_points_of_its_export_leaves_the_old_model_or_the_new(tmp_path):
+    """The issue's case: `vlfuse fit` exports into a folder that holds another run's model and is
+    SIGKILLed at 12 points of that export (0 to 11 ms after it began; it takes about 6): the folder
+    answers as the old model or the new, or refuses in one line, never a mix."""
+    env_batch = make_model()[1]
+    old_dir, new_dir, target = tmp_path / "old", tmp_path / "new", tmp_path / "target"
+    subprocess.run(fit_command(tmp_path / "run_old", 0, old_dir), check=True, capture_output=True)
+    subprocess.run(fit_command(tmp_path / "run_new", 1, new_dir), check=True, capture_output=True)
+    expected = [logits(VLFuseModel.from_pretrained(d), env_batch) for d in (old_dir, new_dir)]
+    assert not torch.equal(expected[0], expected[1])
+    outcomes = []
+    for attempt in range(12):
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(old_dir, target)
+        killed = kill_when_staging_appears(fit_command(tmp_path / f"run_{attempt}", 1, target), target, attempt * 0.001)
+        try:
+            loaded = logits(VLFuseModel.from_pretrained(target), env_batch)
+        except ValueError as err:
+            assert "\n" not in str(err)
+            outcomes.append(("refused", killed))
+            continue
+        outcomes.append((next(name for name, e in zip(("old", "new"), expected) if torch.equal(loaded, e)), killed))
+    print("outcomes (model, killed before it ended):", outcomes)
+    assert {name for name, _ in outcomes} <= {"old", "new", "refused"}
+    assert sum(killed for _, killed in outcomes) >= 8, outcomes
+    assert {"old", "new"} <= {name for name, _ in outcomes}, "kills should land before and after the new model took its place"
