@@ -152,4 +152,5 @@ def test_prune_heads_removes_them_for_real_and_they_stay_removed_when_saved(tmp_
         assert out.attentions[0].shape[1] == 14
         loaded = VLFuseModel.from_pretrained(model.save_pretrained(tmp_path / "pruned")).eval()
         assert loaded.fuser.step.cross_attn.num_heads == 14
-        torch.testing.assert_close(answer(loaded, pixels, QUESTIONS, index).logits, out.logits, rtol=0, atol=0)
+        # the same path as `out` (weights asked for): SDPA and the explicit path differ by rounding with 2+ threads
+        torch.testing.assert_close(answer(loaded, pixels, QUESTIONS, index, weights_from=[0]).logits, out.logits, rtol=0, atol=0)
