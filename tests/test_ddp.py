@@ -87,7 +87,8 @@ def one_process_summary(model_dir: Path) -> tuple[str, int]:
 
 
 def logged_metric(cwd: Path, name: str) -> float:
-    """The one value of ``name`` in the CSV log that the run in ``cwd`` wrote."""
+    """The one value of ``name`` in the CSV log that the run in ``cwd`` wrote (a fit's in its run folder,
+    a ``validate`` or ``test`` command's in ``runs/easy_vqa/<subcommand>/version_0``)."""
     [metrics_file] = (cwd / "runs" / "easy_vqa").rglob("metrics.csv")
     [value] = [row[name] for row in csv.DictReader(metrics_file.open()) if row.get(name)]
     return float(value)
@@ -132,9 +133,11 @@ def test_readme_ddp_fit_tests_once_and_exports_one_model_that_predict_loads(fitt
     cwd, result = fitted
     assert len(printed_summaries(result.stdout)) == 1, result.stdout
     assert result.stdout.count("vlfuse: test accuracy") == 1
-    model_dir = cwd / "runs" / "easy_vqa" / "model"
+    model_dir = cwd / "runs" / "easy_vqa" / "version_0" / "model"  # rank 0's run folder, the only one
     assert saved_models(cwd) == [model_dir]
-    assert "; model saved to runs/easy_vqa/model" in result.stdout
+    assert sorted(path.name for path in (cwd / "runs" / "easy_vqa").iterdir()) == ["latest", "version_0"]
+    assert "vlfuse: run folder runs/easy_vqa/version_0\n" in result.stdout
+    assert "; model saved to runs/easy_vqa/version_0/model" in result.stdout
     record = config_datamodule().records("test")[0]
     question = ["--image", str(record.image), "--question", record.questions[0]]
     assert main(["predict", "--model", str(model_dir), *question]) == 0
@@ -149,7 +152,7 @@ def test_ddp_epoch_metrics_are_synchronised_and_evaluation_repeats_no_image(fitt
 
 def test_two_process_test_accuracy_equals_the_one_process_evaluation_of_the_exported_model(fitted):
     cwd, result = fitted
-    model_dir = cwd / "runs" / "easy_vqa" / "model"
+    model_dir = cwd / "runs" / "easy_vqa" / "latest" / "model"
     assert printed_summaries(result.stdout) == [one_process_summary(model_dir)]
     # The printed line has 4 decimals; the CSV log has the whole value.
     accuracy, questions = one_process_evaluation(model_dir, "test")
@@ -160,19 +163,19 @@ def test_two_process_test_accuracy_equals_the_one_process_evaluation_of_the_expo
 def test_readme_ddp_fit_without_test_after_fit_exits_0_and_exports_the_model(tmp_path):
     result = fit(tmp_path, "--test_after_fit", "false")
     assert "vlfuse: test accuracy" not in result.stdout
-    assert saved_models(tmp_path) == [tmp_path / "runs" / "easy_vqa" / "model"]
-    VLFuseModel.from_pretrained(tmp_path / "runs" / "easy_vqa" / "model")
+    assert saved_models(tmp_path) == [tmp_path / "runs" / "easy_vqa" / "version_0" / "model"]
+    VLFuseModel.from_pretrained(tmp_path / "runs" / "easy_vqa" / "latest" / "model")
 
 
 def test_ddp_test_of_a_saved_model_prints_the_one_process_accuracy(fitted, tmp_path):
-    model_dir = fitted[0] / "runs" / "easy_vqa" / "model"
+    model_dir = fitted[0] / "runs" / "easy_vqa" / "latest" / "model"
     result = run_vlfuse(tmp_path, "test", "--model.pretrained", str(model_dir))
     assert printed_summaries(result.stdout) == [one_process_summary(model_dir)]
 
 
 @pytest.mark.slow
 def test_ddp_validate_of_a_saved_model_logs_the_one_process_accuracy(fitted, tmp_path):
-    model_dir = fitted[0] / "runs" / "easy_vqa" / "model"
+    model_dir = fitted[0] / "runs" / "easy_vqa" / "latest" / "model"
     run_vlfuse(tmp_path, "validate", "--model.pretrained", str(model_dir))
     accuracy, questions = one_process_evaluation(model_dir, "val")
     assert logged_metric(tmp_path, "val/acc") == pytest.approx(accuracy, abs=1e-6)

@@ -15,8 +15,8 @@ How the examples run:
   their document as a reader's would. Each worker has a workspace of its own: a document needs
   nothing that another document's examples write.
 - A session fixture first runs the README's main command, shrunk as below, so that
-  ``runs/easy_vqa/model`` and ``runs/easy_vqa/lightning_logs/version_0/checkpoints/last.ckpt``
-  exist as after the set-up (a tiny model: the examples check that commands run, not accuracy).
+  ``runs/easy_vqa/latest/model`` and ``runs/easy_vqa/latest/checkpoints/last.ckpt`` (run folder
+  ``runs/easy_vqa/version_0``) exist as after the set-up (a tiny model: the examples check that commands run, not accuracy).
 - Python blocks run unchanged (``.venv/bin/python -``).
 - Bash blocks run with ``bash -eo pipefail``, unchanged except that each command line matching a
   rule of :data:`SHRINK` gets that rule's arguments (appended: the last value of an option wins in
@@ -219,8 +219,8 @@ def workspace(tmp_path_factory) -> Path:
 
 def test_readme_main_command_exports_the_model_the_examples_use(workspace):
     printed = (workspace / "main_command.out").read_text().splitlines()[-1]
-    assert printed.startswith("vlfuse: test accuracy ") and printed.endswith("; model saved to runs/easy_vqa/model")
-    assert (workspace / "runs" / "easy_vqa" / "model" / "model.safetensors").exists()
+    assert printed.startswith("vlfuse: test accuracy ") and printed.endswith("; model saved to runs/easy_vqa/version_0/model")
+    assert (workspace / "runs" / "easy_vqa" / "latest" / "model" / "model.safetensors").exists()
 
 
 def test_every_document_has_examples_and_the_rules_apply():

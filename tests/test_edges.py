@@ -247,4 +247,4 @@ def test_fast_dev_run_keeps_out_of_the_real_run_folder(tmp_path):
             "--trainer.logger=false", "--trainer.fast_dev_run=true"]
     assert main(args) == 0
     assert sorted(path.name for path in tmp_path.iterdir()) == ["fast_dev_run"]
-    assert (tmp_path / "fast_dev_run" / "model" / "config.json").is_file()
+    assert (tmp_path / "fast_dev_run" / "latest" / "model" / "config.json").is_file()

@@ -69,9 +69,10 @@ def fit_in_subprocess(args: list[str], *, signum: int, step: int) -> subprocess.
 
 
 def epoch_metrics(root: Path) -> dict[int, dict[str, float]]:
-    """Per epoch: the logged step and the epoch's training and validation losses, from every CSV log in ``root``."""
+    """Per epoch: the logged step and the epoch's training and validation losses, from every CSV log in
+    ``root`` (each run folder's ``metrics.csv``, then its resumed parts', ``resume_K/metrics.csv``)."""
     metrics: dict[int, dict[str, float]] = {}
-    for log in sorted((root / "lightning_logs").glob("version_*/metrics.csv")):
+    for log in sorted(root.rglob("metrics.csv")):
         for row in csv.DictReader(log.open()):
             epoch = metrics.setdefault(int(row["epoch"]), {})
             epoch["step"] = int(row["step"])
@@ -81,13 +82,14 @@ def epoch_metrics(root: Path) -> dict[int, dict[str, float]]:
     return metrics
 
 
-def last_checkpoint(root: Path) -> dict:
-    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+def last_checkpoint(checkpoints: Path) -> dict:
+    return torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
 
 
-def assert_same_weights(root: Path, reference: Path) -> None:
-    """The final weights (``last.ckpt`` of the finished runs) are bit-identical."""
-    ours, theirs = last_checkpoint(root), last_checkpoint(reference)
+def assert_same_weights(checkpoints: Path, reference: Path) -> None:
+    """The final weights (``last.ckpt`` in the folders ``checkpoints`` and ``reference`` of the finished
+    runs) are bit-identical."""
+    ours, theirs = last_checkpoint(checkpoints), last_checkpoint(reference)
     assert ours["global_step"] == theirs["global_step"] == EPOCHS * IMAGES // 4
     assert ours["state_dict"].keys() == theirs["state_dict"].keys()
     for name, weight in theirs["state_dict"].items():
@@ -193,31 +195,34 @@ def test_resume_from_epoch_checkpoint_repeats_the_uninterrupted_losses_and_weigh
         assert resumed[epoch]["step"] == reference[epoch]["step"]  # the loggers' step continues
         for name in ("train/loss_epoch", "val/loss"):
             assert resumed[epoch][name] == pytest.approx(reference[epoch][name], abs=1e-6), (epoch, name)
-    assert_same_weights(tmp_path, uninterrupted)
+    assert_same_weights(tmp_path / "checkpoints", uninterrupted / "checkpoints")
 
 
 def test_run_killed_mid_epoch_resumes_from_its_step_checkpoint_to_the_same_weights(uninterrupted, tmp_path, one_thread):
     args = fit_args(tmp_path, "--checkpoint.every_n_train_steps=3")
     killed = fit_in_subprocess(args, signum=signal.SIGKILL, step=11)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    stopped = last_checkpoint(tmp_path)
+    stopped = last_checkpoint(tmp_path / "checkpoints")
     assert (stopped["global_step"], stopped["epoch"]) == (9, 1)  # half-way through the second epoch
     assert stopped["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"seed": 0, "epoch": 1, "batches": 3}]
 
     assert main([*args, "--ckpt_path=last"]) == 0
-    assert_same_weights(tmp_path, uninterrupted)
+    assert_same_weights(tmp_path / "checkpoints", uninterrupted / "checkpoints")
     resumed, reference = epoch_metrics(tmp_path), epoch_metrics(uninterrupted)
     for epoch in (1, 2):
         assert resumed[epoch]["val/loss"] == pytest.approx(reference[epoch]["val/loss"], abs=1e-6), epoch
 
 
 def test_sigterm_saves_last_checkpoint_from_which_ckpt_path_last_finishes_the_run(uninterrupted, tmp_path, one_thread):
-    # No --checkpoint.dirpath: the default folder must not depend on the CSV logger's new version.
+    # No --checkpoint.dirpath: the run folder's, where --ckpt_path last finds it again.
     args = fit_args(tmp_path, checkpoint_dir=False)
     stopped = fit_in_subprocess(args, signum=signal.SIGTERM, step=10)
     assert stopped.returncode == SIGTERM_EXIT_CODE, stopped.stderr[-2000:]
     assert "stopped by SIGTERM at step 10" in stopped.stdout + stopped.stderr
-    assert last_checkpoint(tmp_path)["global_step"] == 10
+    run = tmp_path / "version_0"
+    assert last_checkpoint(run / "checkpoints")["global_step"] == 10
 
     assert main([*args, "--ckpt_path=last"]) == 0
-    assert_same_weights(tmp_path, uninterrupted)
+    assert [path.name for path in tmp_path.glob("version_*")] == ["version_0"]  # the same run, continued
+    assert_same_weights(run / "checkpoints", uninterrupted / "checkpoints")
+    assert sorted(epoch_metrics(run)) == [0, 1, 2]

@@ -263,9 +263,10 @@ class ExportBestModel(Callback):
     rank 0 alone writes the directory, and every rank waits at a barrier until it is written.
 
     Args:
-        dirpath: where to write the model; default ``<trainer.default_root_dir>/model`` (for
-            ``configs/easy_vqa.yaml``, ``runs/easy_vqa/model``: a later run replaces it). ``vlfuse fit
-            --trainer.fast_dev_run true`` sets ``<trainer.default_root_dir>/fast_dev_run/model``.
+        dirpath: where to write the model; default ``<trainer.default_root_dir>/model``. ``vlfuse fit``
+            sets the run folder's ``model/`` (for ``configs/easy_vqa.yaml``, ``runs/easy_vqa/version_N/model``,
+            also reached as ``runs/easy_vqa/latest/model``; a fit that continues a run replaces that
+            run's model), see :mod:`vlfuse.runs`.
     """
 
     def __init__(self, dirpath: str | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -20,10 +21,22 @@ SIGTERM_EXIT_CODE = 143
 """Exit status of ``vlfuse fit`` stopped by SIGTERM (128 + 15, the shell's convention)."""
 
 
-def default_checkpoint_dir(default_root_dir: str | None) -> str:
-    """``<default_root_dir>/checkpoints``: one folder per run directory, whatever the logger's version,
-    so that ``--ckpt_path last`` finds the checkpoints of the previous, interrupted run."""
-    return os.path.join(default_root_dir or os.getcwd(), "checkpoints")
+def default_checkpoint_dir(run_dir: str | os.PathLike | None) -> str:
+    """``<run_dir>/checkpoints``: a run's checkpoints (``vlfuse fit`` passes its run folder, see
+    :mod:`vlfuse.runs`; without one, Lightning's ``<trainer.default_root_dir>/checkpoints``)."""
+    return os.path.join(run_dir or os.getcwd(), "checkpoints")
+
+
+def best_checkpoint(folder: Path) -> Path | None:
+    """The best checkpoint in ``folder``, as ModelCheckpoint's state in the newest ``last*.ckpt`` there
+    names it (``--ckpt_path best`` of a ``validate`` or ``test`` run); ``None`` if none is named or found."""
+    lasts = sorted(folder.glob("last*.ckpt"), key=lambda path: path.stat().st_mtime)
+    if not lasts:
+        return None
+    states = torch.load(lasts[-1], map_location="cpu", weights_only=True, mmap=True).get("callbacks", {})
+    named = [state["best_model_path"] for state in states.values() if isinstance(state, dict) and state.get("best_model_path")]
+    best = folder / Path(named[0]).name if named else None
+    return best if best is not None and best.is_file() else None
 
 
 def rng_state() -> dict:
@@ -101,8 +114,9 @@ class ResumeTraining(Callback):
     - every global random generator of every rank (dropout masks, augmentations), saved in each
       checkpoint and restored when training starts again;
     - on SIGTERM (what a cluster scheduler sends before it stops a job), ``last.ckpt`` in the
-      ModelCheckpoint's folder, written after the batch in progress; ``vlfuse fit ... --ckpt_path
-      last`` resumes from it;
+      ModelCheckpoint's folder, written after the batch in progress (through the trainer's
+      CheckpointIO: :class:`vlfuse.checkpoint_io.AtomicCheckpointIO` under ``vlfuse fit``); ``vlfuse
+      fit ... --ckpt_path last`` resumes from it;
     - on Ctrl-C during ``fit``, a line that names the last checkpoint and says how to resume
       (:func:`interrupted`);
     - the training loader's saved place, applied when training starts: Lightning 2.6 drops it when

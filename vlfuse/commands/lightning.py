@@ -1,4 +1,5 @@
-"""``vlfuse fit | validate | test``: Lightning's CLI with vlfuse's checkpoint, export, resume and test summary.
+"""``vlfuse fit | validate | test``: Lightning's CLI with vlfuse's checkpoint, export, resume and test summary,
+run folders (:mod:`vlfuse.runs`) and atomic checkpoints (:mod:`vlfuse.checkpoint_io`).
 
 :mod:`vlfuse.cli` dispatches here; this module imports Lightning, so it is loaded only for these
 subcommands.
@@ -6,34 +7,107 @@ subcommands.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import yaml
+from jsonargparse import Namespace
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from vlfuse import runs
 from vlfuse.captioning.lit import CaptionLitModule
+from vlfuse.checkpoint_io import AtomicCheckpointIO
 from vlfuse.commands import LIGHTNING, SUBCOMMANDS
 from vlfuse.datamodules import VQADataModule
 from vlfuse.lit import ExportBestModel, VLFuseLitModule
-from vlfuse.resume import SIGTERM_EXIT_CODE, BestAndLastCheckpoint, ResumeTraining, default_checkpoint_dir
+from vlfuse.resume import SIGTERM_EXIT_CODE, BestAndLastCheckpoint, ResumeTraining, best_checkpoint, default_checkpoint_dir
 from vlfuse.runtime import set_threads
 
 
-
 def smoke_run_dir(default_root_dir: str | None) -> str:
-    """``<default_root_dir>/fast_dev_run``: where a ``--trainer.fast_dev_run`` run writes its checkpoints
-    and model, so that a smoke run never replaces a real run's."""
+    """``<default_root_dir>/fast_dev_run``: the root of ``--trainer.fast_dev_run`` runs, whose run folders
+    (``fast_dev_run/version_N``, ``fast_dev_run/latest``) are apart from the real runs'."""
     return os.path.join(default_root_dir or os.getcwd(), "fast_dev_run")
 
 
+def same_path(a: str | os.PathLike | None, b: str | os.PathLike) -> bool:
+    """Whether ``a`` names the folder ``b``."""
+    return a is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+def logs_in_run(logger: Any, root: str) -> bool:
+    """Whether ``logger`` (a config's ``trainer.logger`` entry) is a CSV or TensorBoard logger saving
+    under ``root`` with Lightning's default name and version: the run folder then replaces them."""
+    if not isinstance(logger, Namespace) or not isinstance(logger.get("class_path"), str):
+        return False
+    module, _, name = logger.class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    args = logger.get("init_args") or Namespace()
+    return (
+        isinstance(cls, type) and issubclass(cls, (CSVLogger, TensorBoardLogger))
+        and args.get("name") == "lightning_logs" and args.get("version") is None and same_path(args.get("save_dir"), root)
+    )
+
+
+def log_into(loggers: Any, log_dir: Path, root: str) -> None:
+    """Point the CSV and TensorBoard loggers of ``loggers`` that :func:`logs_in_run` accepts at ``log_dir``
+    (``save_dir`` its parent, no name, version its name); others are left as they are."""
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if logs_in_run(logger, root):
+            logger.init_args.save_dir, logger.init_args.name, logger.init_args.version = str(log_dir.parent), "", log_dir.name
+
+
+def place_fit(config: Namespace, run: runs.Run) -> None:
+    """Send a fit's checkpoints and model to its run folder unless ``--checkpoint.dirpath`` and
+    ``--export.dirpath`` say otherwise."""
+    config.checkpoint.dirpath = config.checkpoint.dirpath or default_checkpoint_dir(run.folder)
+    config.export.dirpath = config.export.dirpath or str(run.folder / "model")
+
+
+def place_evaluation(config: Namespace, run: runs.Run) -> None:
+    """Let ``--ckpt_path last|best`` of ``validate`` or ``test`` name the run's checkpoints (the latest
+    run's, or ``--run_dir``'s), unless ``--checkpoint.dirpath`` names a folder.
+
+    Raises:
+        ValueError: ``--ckpt_path best`` and no best checkpoint is known.
+    """
+    if config.ckpt_path not in ("last", "best"):
+        return
+    folder = config.checkpoint.dirpath or (default_checkpoint_dir(run.folder) if run.folder else None)
+    config.checkpoint.dirpath = folder
+    if config.ckpt_path == "last":
+        return
+    best = best_checkpoint(Path(folder)) if folder else None
+    if best is None:
+        raise ValueError(f"--ckpt_path best: no best checkpoint recorded in {folder or 'any run (no latest run yet)'}")
+    config.ckpt_path = str(best)
+
+
+def with_atomic_checkpoints(plugins: Any, strategy: Any) -> list:
+    """``plugins`` (the trainer's, instantiated) with an :class:`AtomicCheckpointIO` added, unless they or
+    the strategy bring a CheckpointIO of their own."""
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
+    own = any(isinstance(plugin, CheckpointIO) for plugin in plugins) or getattr(strategy, "_checkpoint_io", None)
+    return plugins if own else [*plugins, AtomicCheckpointIO()]
+
+
+def announce(run: runs.Run) -> None:
+    """``vlfuse: run folder runs/easy_vqa/version_3``, and where a continued run's new part logs."""
+    part = f" (continued; this part's logs in {run.log_dir})" if run.log_dir != run.folder else ""
+    print(f"vlfuse: run folder {run.folder}{part}", flush=True)
+
+
 class VLFuseCLI(LightningCLI):
-    """LightningCLI with a best-model checkpoint, the export of the best model and an optional test."""
+    """LightningCLI with a best-model checkpoint, the export of the best model and an optional test, a
+    run folder for each fit and atomic checkpoints."""
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -55,16 +129,62 @@ class VLFuseCLI(LightningCLI):
             help="torch CPU threads (default: torch's choice, one per core; the thread count changes the "
             "order of floating-point sums, so compare runs at the same count)",
         )
+        parser.add_argument(
+            "--run_dir", type=Optional[str], default=None,
+            help="fit: the run folder for checkpoints, model and logs (default: <trainer.default_root_dir>/version_N, "
+            "the next free N; under torchrun or srun, <trainer.default_root_dir>/job_<job id>); validate, test: the "
+            "run whose checkpoints --ckpt_path last|best means (default: <trainer.default_root_dir>/latest)",
+        )
 
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand]
-        set_threads(config.threads)
-        root = config.trainer.default_root_dir
-        if config.trainer.fast_dev_run:  # a smoke run leaves the real run's checkpoints and model alone
-            root = smoke_run_dir(root)
-            config.export.dirpath = config.export.dirpath or os.path.join(root, "model")
-        if config.checkpoint.dirpath is None:  # not the logger's new version folder: --ckpt_path last finds it
-            config.checkpoint.dirpath = default_checkpoint_dir(root)
+        set_threads(self.config[self.subcommand].threads)
+
+    def instantiate_classes(self) -> None:
+        """Choose this run's folders and send its files there (:meth:`place_run`), then Lightning's
+        instantiation; a failure in either leaves no empty folder behind."""
+        self.run: runs.Run | None = None
+        try:
+            self.place_run(self.config[self.subcommand])
+            super().instantiate_classes()
+        except BaseException:
+            if self.run is not None:
+                runs.release(self.run, self.run_root)
+            raise
+
+    def place_run(self, config: Namespace) -> None:
+        """Choose this run's folders (:func:`vlfuse.runs.choose`) and send the checkpoints, the model, the
+        logs and the trainer's ``default_root_dir`` there; the config as given is kept for ``config.yaml``."""
+        self.config_as_given = config.clone()
+        root = config.trainer.default_root_dir or os.getcwd()
+        self.run_root = Path(smoke_run_dir(root) if config.trainer.fast_dev_run else root)  # smoke runs apart
+        self.run = run = runs.choose(self.subcommand, self.run_root, run_dir=config.run_dir, ckpt_path=config.ckpt_path)
+        if run.leader:
+            runs.share_with_other_ranks(run)
+        if self.subcommand == "fit":
+            place_fit(config, run)
+        else:
+            place_evaluation(config, run)
+        log_into(config.trainer.logger, run.log_dir, root)
+        config.trainer.default_root_dir = str(run.log_dir)
+
+    def before_fit(self) -> None:
+        """On rank 0, now that the run starts: print its folder and point ``latest`` at it."""
+        if self.run.leader:
+            announce(self.run)
+            runs.point_latest(self.run_root, self.run.folder)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Lightning's trainer with :class:`AtomicCheckpointIO` among its plugins (see
+        :func:`with_atomic_checkpoints`), whose ``config.yaml`` is the config as given: without the run
+        folder's paths, so that a run started from it gets a folder of its own."""
+        settings = self.config_init[self.subcommand].trainer
+        plugins = with_atomic_checkpoints(settings.plugins, settings.strategy)
+        placed = self.config[self.subcommand]
+        self.config[self.subcommand] = self.config_as_given
+        try:
+            return super().instantiate_trainer(plugins=plugins, **kwargs)
+        finally:
+            self.config[self.subcommand] = placed
 
     def after_fit(self) -> None:
         """With ``test_after_fit``, test the best checkpoint and print one summary line.
@@ -123,15 +243,18 @@ def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
     """
     own = {name: {"exit_on_error": False, "description": SUBCOMMANDS[name].description} for name in LIGHTNING}
     caption = names_caption_model(sys.argv[1:] if args is None else args)
-    return VLFuseCLI(
-        CaptionLitModule if caption else VLFuseLitModule,
-        LightningDataModule if caption else VQADataModule,
-        subclass_mode_model=caption,
-        subclass_mode_data=True,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": "vlfuse", "exit_on_error": False, **own},
-    )
+    try:
+        return VLFuseCLI(
+            CaptionLitModule if caption else VLFuseLitModule,
+            LightningDataModule if caption else VQADataModule,
+            subclass_mode_model=caption,
+            subclass_mode_data=True,
+            args=args,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "vlfuse", "exit_on_error": False, **own},
+        )
+    finally:
+        runs.forget_shared()  # the other ranks have started (and inherited them)
 
 
 def wait_for_other_ranks(trainer: Trainer) -> int:
