@@ -4,7 +4,7 @@ Kinds: "what color ...?" / "what is the color of ...?", "what is the blue shape?
 ...?", and the yes/no questions,
 split by whether they ask about a colour or a shape and whether they are negated ("not", "no").
 
-    .venv/bin/python scripts/accuracy_by_question.py --model runs/easy_vqa/model
+    .venv/bin/python scripts/accuracy_by_question.py --model runs/easy_vqa/latest/model
 """
 
 from __future__ import annotations

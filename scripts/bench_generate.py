@@ -13,7 +13,7 @@ not depend on the weights), with the grammar's words as its vocabulary.
 
 Example:
     .venv/bin/python scripts/bench_generate.py
-    .venv/bin/python scripts/bench_generate.py --model runs/shapes_captions/model --images 64 --threads 2
+    .venv/bin/python scripts/bench_generate.py --model runs/shapes_captions/latest/model --images 64 --threads 2
 """
 
 from __future__ import annotations

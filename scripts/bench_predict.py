@@ -18,7 +18,7 @@ does not depend on the weights), with easy-VQA's answers and a tokenizer from it
 
 Example:
     .venv/bin/python scripts/bench_predict.py
-    .venv/bin/python scripts/bench_predict.py --model runs/easy_vqa/model --batch-sizes 1 16 64
+    .venv/bin/python scripts/bench_predict.py --model runs/easy_vqa/latest/model --batch-sizes 1 16 64
     .venv/bin/python scripts/bench_predict.py --batch-sizes 64 --threads 1 2 --busy 2
 """
 

@@ -13,7 +13,7 @@ weights), with the answers and questions of its data.
 
 Example:
     .venv/bin/python scripts/bench_pruning.py --config configs/easy_vqa.yaml
-    .venv/bin/python scripts/bench_pruning.py --config configs/easy_vqa.yaml --model runs/easy_vqa/model --threads 2
+    .venv/bin/python scripts/bench_pruning.py --config configs/easy_vqa.yaml --model runs/easy_vqa/latest/model --threads 2
 """
 
 from __future__ import annotations

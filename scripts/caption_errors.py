@@ -12,7 +12,7 @@ relation sentence an object too (``is left of`` / ``is above`` ``a COLOUR SHAPE`
 Prints the fact precision and object recall (as validation and test log them), the count of each
 kind, and the first ``--examples`` captions with a false sentence next to their reference.
 
-    .venv/bin/python scripts/caption_errors.py --model runs/shapes_captions/model
+    .venv/bin/python scripts/caption_errors.py --model runs/shapes_captions/latest/model
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The reworded questions (:mod:`vlfuse.data.easy_vqa_reworded`) ask the same thing
 test images in words the training templates never use (synonyms, British spelling, other word
 orders); their answers are the templated questions' answers.
 
-    .venv/bin/python scripts/reworded_accuracy.py --model runs/easy_vqa_minilm/model
+    .venv/bin/python scripts/reworded_accuracy.py --model runs/easy_vqa_minilm/latest/model
 """
 
 from __future__ import annotations

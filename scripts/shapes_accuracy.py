@@ -3,8 +3,8 @@
 Depth is the number of relation words (left_of, right_of, above, below) in the query. Published
 test accuracies for comparison (SHAPES README): majority 63.0, VIS+LSTM 65.3, NMN 90.6, N2NMN 96.2.
 
-    .venv/bin/python scripts/shapes_accuracy.py --model runs/shapes/model
-    .venv/bin/python scripts/shapes_accuracy.py --model runs/shapes/model --by-question  # each of the 16 val questions
+    .venv/bin/python scripts/shapes_accuracy.py --model runs/shapes/latest/model
+    .venv/bin/python scripts/shapes_accuracy.py --model runs/shapes/latest/model --by-question  # each of the 16 val questions
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ attribute on the patch tokens (a cell's patches averaged, when the grid is not 3
 one of the three colours (shapes). ``--untrained`` probes a freshly initialised model of the same
 config instead, the floor that training starts from.
 
-    .venv/bin/python scripts/shapes_probe.py --model runs/shapes_fusion/model
-    .venv/bin/python scripts/shapes_probe.py --model runs/shapes_fusion/model --untrained
+    .venv/bin/python scripts/shapes_probe.py --model runs/shapes_fusion/latest/model
+    .venv/bin/python scripts/shapes_probe.py --model runs/shapes_fusion/latest/model --untrained
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For every word of the val questions: its keep / intersect / move weights and, fo
 moves, the step its set moves by (rows, columns; (0, 1) is one cell right). Then, for a few val
 questions, the set of cells after each word (right to left), as the model reads it.
 
-    .venv/bin/python scripts/shapes_program_trace.py --model runs/shapes/model --examples 2
+    .venv/bin/python scripts/shapes_program_trace.py --model runs/shapes/latest/model --examples 2
 """
 
 from __future__ import annotations
