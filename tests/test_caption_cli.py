@@ -143,9 +143,9 @@ def test_a_short_fit_of_a_tiny_caption_config_exports_a_caption_model(tmp_path, 
         "--threads=1",
     ]
     assert vlfuse_main(args) == 0
-    model = CaptionModel.from_pretrained(tmp_path / "model")
+    model = CaptionModel.from_pretrained(tmp_path / "version_0" / "model")  # the run folder's
     assert model.config.dim == 16
     assert "a" in model.tokenizer.get_vocab() and "triangle" in model.tokenizer.get_vocab()
     summary = capsys.readouterr().out.splitlines()[-1]
     assert summary.startswith("vlfuse: test BLEU-4 ") and "fact precision" in summary and summary.endswith(
-        f"(8 images); model saved to {tmp_path / 'model'}")
+        f"(8 images); model saved to {tmp_path / 'version_0' / 'model'}")

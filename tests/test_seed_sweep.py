@@ -34,7 +34,7 @@ def test_a_sweep_trains_each_variant_and_seed_and_tabulates_curves_and_groups(tm
     table = (out / "sweep.md").read_text()
     assert "| pool |" in table and "| bilinear |" in table and "median" in table
     for variant, head in (("pool", "pooled"), ("bilinear", "bilinear")):  # the variant's override reached the model
-        saved = json.loads((out / f"{variant}_s3" / "model" / "config.json").read_text())
+        saved = json.loads((out / f"{variant}_s3" / "latest" / "model" / "config.json").read_text())
         assert saved["config"]["head"]["type"] == head
     metrics = next((out / "pool_s3").rglob("metrics.csv")).read_text().splitlines()[0]
     assert "grad_norm/fuser" in metrics and "grad_norm/head" in metrics and "grad_norm/image_encoder" in metrics
