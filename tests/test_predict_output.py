@@ -19,7 +19,6 @@ import torch
 from PIL import Image
 
 from test_caption_model import tiny_caption_model
-from vlfuse.captioning import CaptionModel
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.inference import Captioner, Predictor
 from vlfuse.inference import jsonl

@@ -21,6 +21,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from vlfuse import atomic
+
 TEMP_INFIX = ".tmp-"
 """A checkpoint is written as ``.<name>.tmp-<pid>`` beside its target: hidden, and not ``last*.ckpt``,
 so that ``--ckpt_path last`` never picks up a half-written one."""
@@ -31,43 +33,12 @@ def temp_path(target: Path, pid: int | None = None) -> Path:
     return target.with_name(f".{target.name}{TEMP_INFIX}{os.getpid() if pid is None else pid}")
 
 
-def remove_stale_temps(target: Path) -> None:
-    """Remove the temporary files of ``target`` left by processes that no longer run (killed mid-write)."""
-    for temp in target.parent.glob(f".{target.name}{TEMP_INFIX}*"):
-        pid = temp.name.rsplit(TEMP_INFIX, 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not process_runs(int(pid)):
-            temp.unlink(missing_ok=True)
-
-
-def process_runs(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this machine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it runs, as another user
-        return True
-    return True
-
-
-def fsync_folder(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (a no-op where folders cannot be opened, e.g. Windows)."""
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def save_atomically(checkpoint: dict[str, Any], target: Path) -> None:
     """``torch.save(checkpoint)`` to a temporary file in ``target``'s folder, flushed and fsynced, then
     renamed onto ``target`` (``os.replace``: atomic on one filesystem). On any exception the temporary
     file is removed and ``target`` is left as it was."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target)
+    atomic.remove_abandoned(target.parent, f".{target.name}{TEMP_INFIX}")
     temp = temp_path(target)
     try:
         with open(temp, "wb") as file:
@@ -78,7 +49,7 @@ def save_atomically(checkpoint: dict[str, Any], target: Path) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    fsync_folder(target.parent)
+    atomic.fsync(target.parent)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

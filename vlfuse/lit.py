@@ -260,7 +260,9 @@ class ExportBestModel(Callback):
     """At the end of ``fit``, save the best checkpoint's model with ``save_pretrained``.
 
     Under DDP every rank loads the best weights (so that what follows, e.g. a test, uses them),
-    rank 0 alone writes the directory, and every rank waits at a barrier until it is written.
+    rank 0 alone writes the directory, and every rank waits at a barrier until it is written. The
+    folder is written atomically (a kill leaves the old model or the new one), and a folder that
+    is not a vlfuse model is never replaced (:func:`vlfuse.model_io.write_model_folder`).
 
     Args:
         dirpath: where to write the model; default ``<trainer.default_root_dir>/model``. ``vlfuse fit``

@@ -38,7 +38,6 @@ import shutil
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -47,6 +46,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from vlfuse import atomic
 from vlfuse.errors import first_line
 
 FORMAT_VERSION = 3
@@ -60,7 +60,8 @@ MAX_JSON_BYTES = 64 << 20
 """The largest JSON file of a model folder that is read (64 MiB: a million answers fit)."""
 
 STAGING = ".partial-"
-"""Marks the hidden folder a save writes into, ``.<target>.partial-<pid>-<random>``, beside the target."""
+"""Marks the hidden folder a save writes into, ``.<target>.partial-<pid>-<random>``, beside the target
+(:func:`vlfuse.atomic.remove_abandoned` removes those of killed saves)."""
 
 FORMAT_2_DEFAULTS: dict[str, Any] = {
     "fusion_dim": 128,
@@ -117,7 +118,7 @@ def write_model_folder(target: str | Path, meta: Mapping[str, Any], write_files:
     target = Path(target)
     check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned_staging(target)
+    atomic.remove_abandoned(target.parent, f".{target.name}{STAGING}")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING}{os.getpid()}-", dir=target.parent))
     try:
         write_files(staging)
@@ -139,25 +140,6 @@ def check_replaceable(target: Path) -> None:
     raise ValueError(f"{target} exists and is not a vlfuse model folder: not replaced (save to another folder, or remove it)")
 
 
-def remove_abandoned_staging(target: Path) -> None:
-    """Remove the hidden folders of saves beside ``target`` whose process no longer runs (killed saves)."""
-    for folder in target.parent.glob(f".{target.name}{STAGING}*"):
-        pid = folder.name[len(f".{target.name}{STAGING}"):].split("-", 1)[0]
-        if pid.isdigit() and not process_running(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def process_running(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this machine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"size", "sha256"}}`` of every file below ``folder`` (``config.json`` aside)."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != CONFIG_FILE)
@@ -176,11 +158,7 @@ def sha256(path: Path) -> str:
 def sync_tree(folder: Path) -> None:
     """Flush every file and folder below ``folder`` (itself included) to disk."""
     for path in [*folder.rglob("*"), folder]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        atomic.fsync(path)
 
 
 def move_into_place(staging: Path, target: Path) -> None:
@@ -199,16 +177,7 @@ def move_into_place(staging: Path, target: Path) -> None:
         os.rename(target, old)
         os.rename(staging, target)
         shutil.rmtree(old)
-    sync_tree_entry(target.parent)
-
-
-def sync_tree_entry(folder: Path) -> None:
-    """Flush ``folder``'s entries (a rename in it) to disk."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    atomic.fsync(target.parent)
 
 
 def exchange(a: Path, b: Path) -> bool:

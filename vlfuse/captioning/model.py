@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vlfuse import model_io
-from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, build_word_tokenizer, load_saved_tokenizer, load_tokenizer
+from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, build_word_tokenizer, load_saved_tokenizer
 from vlfuse.parts import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, check_fields, check_range
 from vlfuse.heads.caption_decoder import CaptionDecoder, DecoderCache, DecoderOutput
 from vlfuse.model import ImageContext

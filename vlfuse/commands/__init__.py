@@ -21,7 +21,8 @@ SUBCOMMANDS = {
     "fit": Subcommand(
         "vlfuse.commands.lightning",
         "Train a model on a config's data (vlfuse fit --config configs/easy_vqa.yaml); export the best "
-        "checkpoint's model to <trainer.default_root_dir>/model and, with test_after_fit, print its test accuracy.",
+        "checkpoint's model to its run folder, <trainer.default_root_dir>/version_N/model (latest/model), and, "
+        "with test_after_fit, print its test accuracy.",
     ),
     "validate": Subcommand(
         "vlfuse.commands.lightning",
