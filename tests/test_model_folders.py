@@ -420,3 +420,9 @@ def test_vlfuse_fit_killed_at_many_points_of_its_export_leaves_the_old_model_or_
     assert {name for name, _ in outcomes} <= {"old", "new", "refused"}
     assert sum(killed for _, killed in outcomes) >= 8, outcomes
     assert {"old", "new"} <= {name for name, _ in outcomes}, "kills should land before and after the new model took its place"
+
+
+def test_a_saved_folder_gets_the_permissions_of_any_new_folder(saved, tmp_path):
+    directory = VLFuseModel.from_pretrained(saved[0]).save_pretrained(tmp_path / "m")
+    (tmp_path / "plain").mkdir()
+    assert directory.stat().st_mode == (tmp_path / "plain").stat().st_mode

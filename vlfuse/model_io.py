@@ -34,10 +34,10 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import stat
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -119,7 +119,7 @@ def write_model_folder(target: str | Path, meta: Mapping[str, Any], write_files:
     check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic.remove_abandoned(target.parent, f".{target.name}{STAGING}")
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING}{os.getpid()}-", dir=target.parent))
+    staging = make_staging(target)
     try:
         write_files(staging)
         write_json(staging / CONFIG_FILE, {**meta, "files": file_digests(staging)})
@@ -129,6 +129,18 @@ def write_model_folder(target: str | Path, meta: Mapping[str, Any], write_files:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def make_staging(target: Path) -> Path:
+    """Create the hidden folder ``.<target>.partial-<pid>-<random>`` beside ``target``, with the
+    permissions of any new folder (the umask's, as the folder it replaces had)."""
+    while True:
+        staging = target.with_name(f".{target.name}{STAGING}{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            staging.mkdir()
+            return staging
+        except FileExistsError:
+            continue
 
 
 def check_replaceable(target: Path) -> None:
