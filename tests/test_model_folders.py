@@ -426,3 +426,15 @@ def test_a_saved_folder_gets_the_permissions_of_any_new_folder(saved, tmp_path):
     directory = VLFuseModel.from_pretrained(saved[0]).save_pretrained(tmp_path / "m")
     (tmp_path / "plain").mkdir()
     assert directory.stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
+def test_a_checkpoint_given_as_a_model_folder_says_what_to_give(tmp_path, capsys):
+    checkpoint = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}}, checkpoint)
+    image = tmp_path / "red.png"
+    Image.new("RGB", (32, 32), "red").save(image)
+    assert vlfuse_main(["predict", "--model", str(checkpoint), "--image", str(image), "--question", "what is it?"]) == 2
+    assert capsys.readouterr().err == (
+        f"vlfuse: error: {checkpoint} is a Lightning checkpoint, not a model folder: give the run's model/ folder, which "
+        "vlfuse fit exports at its end (runs/NAME/latest/model), or evaluate the checkpoint with vlfuse test --ckpt_path\n"
+    )

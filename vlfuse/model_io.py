@@ -213,6 +213,11 @@ def exchange(a: Path, b: Path) -> bool:
 def require_files(directory: Path, names: Sequence[str], what: str) -> None:
     """Raise ``FileNotFoundError`` naming ``directory`` when it is missing or lacks one of ``names``,
     and a ``ValueError`` when one of them is not a regular file (or, for ``tokenizer``, a folder of them)."""
+    if directory.is_file() and directory.suffix == ".ckpt":
+        raise ValueError(
+            f"{directory} is a Lightning checkpoint, not a model folder: give the run's model/ folder, which vlfuse fit "
+            "exports at its end (runs/NAME/latest/model), or evaluate the checkpoint with vlfuse test --ckpt_path"
+        )
     if not directory.is_dir():
         raise FileNotFoundError(f"model folder not found: {directory}")
     missing = [n for n in names if not (directory / n).exists()]
