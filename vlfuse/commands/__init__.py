@@ -33,6 +33,11 @@ SUBCOMMANDS = {
         "Evaluate a checkpoint (--ckpt_path) or a saved model (--model.pretrained DIR) on the test split and "
         "print its accuracy.",
     ),
+    "plot": Subcommand(
+        "vlfuse.commands.plot",
+        "Draw a run's training curves (losses per step and per epoch, accuracies, caption scores) from its "
+        "metrics.csv logs into a PNG, RUN/curves.png (vlfuse plot runs/easy_vqa/latest).",
+    ),
     "predict": Subcommand(
         "vlfuse.commands.predict",
         "Answer questions about images with a saved model: one pair (--image, --question) or a JSONL file "

@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vlfuse import runs
+from vlfuse.callbacks import EpochSummary
 from vlfuse.captioning.lit import CaptionLitModule
 from vlfuse.checkpoint_io import AtomicCheckpointIO
 from vlfuse.commands import LIGHTNING, SUBCOMMANDS
@@ -121,6 +122,7 @@ class VLFuseCLI(LightningCLI):
         )
         parser.add_lightning_class_args(ExportBestModel, "export")
         parser.add_lightning_class_args(ResumeTraining, "resume")
+        parser.add_lightning_class_args(EpochSummary, "progress")  # --progress.lines false, --progress.curves false
         parser.add_argument(
             "--test_after_fit", type=bool, default=False, help="after fit, test the best checkpoint on the test split"
         )
