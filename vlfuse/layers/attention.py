@@ -58,6 +58,10 @@ class ProjectedContext:
     def batch_size(self) -> int:
         return self.key.shape[0]
 
+    def rows(self, index: torch.Tensor) -> "ProjectedContext":
+        """The context rows ``index`` ``(B',)``, copied: keys and values ``(B', H, Lk, hd)``, mask ``(B', Lk)``."""
+        return ProjectedContext(self.key[index], self.value[index], None if self.mask is None else self.mask[index])
+
 
 # ------------------------------------------------------------------------------------ normalisers
 def softmax_normalize(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -455,6 +459,8 @@ class CrossAttention(MultiHeadAttention):
         """
         kv = self.keys_values(context, context_mask, kv)
         check_queries(x, self.dim, kv, self.num_heads, context_index, head_mask)
+        if context_index is not None and torch.compiler.is_compiling():  # packing's sizes depend on the data
+            kv, context_index = kv.rows(context_index), None
         if context_index is None:
             key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (B, 1, Lk)
             out, weights = self.attend(x, kv.key, kv.value, key_mask, need_weights=need_weights, head_mask=head_mask)
@@ -492,7 +498,7 @@ class CrossAttention(MultiHeadAttention):
         Returns:
             ``(output (N, dim), weights (N, H, Lk) or None)``.
         """
-        n, h, hd = len(tokens), self.num_heads, self.head_dim
+        n, h, hd = tokens.shape[0], self.num_heads, self.head_dim  # not len(): it fixes a symbolic size
         key_mask = None if kv.mask is None else KeyMask(kv.mask[:, None, :])  # over (Bc, 1, Lk)
         q = groups.group(self.q_proj(tokens))  # (Bc, Lg, H * hd)
         q = q.view(groups.num_contexts, groups.size, h, hd).transpose(1, 2)  # (Bc, H, Lg, hd)
@@ -607,6 +613,8 @@ def check_queries(
             f"context_index must be an integer tensor of shape ({batch},), "
             f"got {context_index.dtype} {tuple(context_index.shape)}"
         )
+    if torch.compiler.is_compiling():  # the values are data: not checked in a compiled or exported program
+        return
     if batch and (int(context_index.min()) < 0 or int(context_index.max()) >= contexts):
         raise ValueError(f"context_index values must be in [0, {contexts}) for {contexts} context rows")
 

@@ -4,6 +4,10 @@ The blocks work on packed tokens (:class:`~vlfuse.layers.packing.PackedTokens`):
 step runs on the real question tokens alone, and attention once per image over the tokens of all
 its questions. Padding positions pass through a block unchanged. Inputs are checked once, where
 they enter (:meth:`FusionBlock.forward`, :meth:`FusionStack.forward`); the packed path trusts them.
+
+Under ``torch.export`` and ``torch.compile`` the blocks run on the padded reference layout instead
+(:class:`~vlfuse.layers.packing.PaddedTokens`, chosen by :func:`layout_of`): packing's sizes depend
+on the text mask's values, which neither can trace.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from torch import nn
 
 from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext, SelfAttention, check_queries
 from vlfuse.layers.local_attention import LocalLayout, LocalSelfAttention
-from vlfuse.layers.packing import PackedTokens
+from vlfuse.layers.packing import PackedTokens, PaddedTokens
 
 
 class Mlp(nn.Sequential):
@@ -159,7 +163,7 @@ class FusionBlock(nn.Module):
         """
         kv = self.cross_attn.keys_values(context, context_mask, kv)
         check_queries(x, self.cross_attn.dim, kv, self.cross_attn.num_heads, context_index, head_mask)
-        layout = PackedTokens.of(x, text_mask, context_index, kv.batch_size)
+        layout, [kv] = layout_of(x, text_mask, context_index, [kv])
         tokens, weights = self.forward_packed(
             layout.pack(x), kv, layout, need_weights=need_weights, head_mask=layout.per_token(head_mask)
         )
@@ -189,6 +193,23 @@ class FusionBlock(nn.Module):
         tokens = tokens + self._gate(self.gate_attn, self.drop(attended))
         tokens = tokens + self._gate(self.gate_mlp, self.drop(self.mlp(self.norm_mlp(tokens))))
         return tokens, weights
+
+
+def layout_of(
+    x: torch.Tensor, text_mask: torch.Tensor | None, image_index: torch.Tensor | None, kvs: list[ProjectedContext]
+) -> tuple[PackedTokens, list[ProjectedContext]]:
+    """The layout of text ``x`` ``(B, Lt, dim)`` and the keys/values of each layer its groups read.
+
+    In eager mode :class:`~vlfuse.layers.packing.PackedTokens` (the fast layout) and ``kvs`` as
+    given. Under ``torch.compile`` or ``torch.export`` (:func:`torch.compiler.is_compiling`, True
+    for both) :class:`~vlfuse.layers.packing.PaddedTokens`, whose sizes do not depend on the data,
+    with each image's keys/values copied to the rows that read it (``image_index`` ``(B,)``).
+    """
+    if not torch.compiler.is_compiling():
+        return PackedTokens.of(x, text_mask, image_index, kvs[0].batch_size), kvs
+    if image_index is not None:
+        kvs = [kv.rows(image_index) for kv in kvs]
+    return PaddedTokens(x.shape[0], x.shape[1], text_mask, device=x.device), kvs
 
 
 def unpack_weights(weights: torch.Tensor, layout: PackedTokens) -> torch.Tensor:
@@ -258,7 +279,7 @@ class FusionStack(nn.Module):
         for block, kv, head_mask in zip(self.blocks, kvs, head_masks):
             check_queries(x, block.cross_attn.dim, kv, block.cross_attn.num_heads, image_index, head_mask)
         wanted = set(weights_from)
-        layout = PackedTokens.of(x, text_mask, image_index, kvs[0].batch_size)
+        layout, kvs = layout_of(x, text_mask, image_index, kvs)
         tokens = layout.pack(x)  # (N, dim)
         weights: dict[int, torch.Tensor] = {}
         for i, (block, kv, head_mask) in enumerate(zip(self.blocks, kvs, head_masks)):

@@ -6,6 +6,10 @@ dropout) runs on the real tokens alone, packed to ``(N, dim)`` (:class:`TokenPac
 runs once per image over the real tokens of all its questions, ``(Bc, Lg, ...)``
 (:class:`ContextGroups`), instead of over every question's padded rows side by side.
 :class:`PackedTokens` holds both: the one object a fusion stack hands down its blocks.
+
+Packing's sizes (``N``, ``Lg``) depend on the mask's values, which ``torch.export`` and
+``torch.compile(fullgraph=True)`` cannot trace. :class:`PaddedTokens` is the same layout object
+for them: every position of every row is a token, and each row is its own group, ``(B, L, ...)``.
 """
 
 from __future__ import annotations
@@ -32,12 +36,17 @@ class TokenPacking:
         if mask is not None and mask.shape != (batch, length):
             raise ValueError(f"text mask must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
         self.batch, self.length, self.mask = batch, length, mask
-        self.index = None if mask is None or bool(mask.all()) else mask.flatten().nonzero().squeeze(1)  # (N,)
+        self.index = self._real_positions(mask)
         if self.index is None:
             device = mask.device if mask is not None else device
             self.rows = torch.arange(batch, device=device).repeat_interleave(length)
         else:
             self.rows = self.index.div(length, rounding_mode="floor")
+
+    @staticmethod
+    def _real_positions(mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``(N,)`` the flat positions of the real tokens, or ``None`` when every position is kept."""
+        return None if mask is None or bool(mask.all()) else mask.flatten().nonzero().squeeze(1)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -131,3 +140,52 @@ class PackedTokens(TokenPacking):
     def per_token(self, head_mask: torch.Tensor | None) -> torch.Tensor | None:
         """A per-row head mask ``(B, H)`` as ``(N, H)``, one row per packed token; ``(H,)`` or ``None`` as given."""
         return head_mask[self.rows] if head_mask is not None and head_mask.dim() == 2 else head_mask
+
+
+class RowGroups(ContextGroups):
+    """Every padded row its own group: ``(B * L, C) <-> (B, L, C)``, reshapes of sizes known from the shapes.
+
+    The grouping of :class:`PaddedTokens`: row ``b`` reads context row ``b`` (contexts shared
+    between rows are copied to their rows first). Nothing is counted, so nothing depends on the data.
+
+    Args:
+        rows: ``(B * L,)`` the row of each token.
+        batch: ``B``, the number of rows (and of context rows).
+        length: ``L``, the padded length of a row.
+    """
+
+    def __init__(self, rows: torch.Tensor, batch: int, length: int) -> None:  # no ContextGroups.__init__: no counting
+        self.context, self.num_contexts, self.size = rows, batch, length
+        self.in_place = True
+
+
+class PaddedTokens(PackedTokens):
+    """The padded reference layout: every position of every row is a token, padding included.
+
+    The layout of ``torch.export`` and ``torch.compile`` (:mod:`vlfuse.layers.fusion` chooses it
+    there): its sizes come from the shapes alone, no ``.item()`` nor ``nonzero``. Per-token work
+    runs on ``(B * L, dim)``, text self-attention on the rows under the text mask, cross-attention on
+    each row over its own context row (:class:`RowGroups`), and :meth:`unpack` keeps ``padding`` at
+    the padding positions: the real tokens' results are :class:`PackedTokens`' (within float
+    rounding), at the cost of the padding's work.
+
+    Args:
+        batch, length, mask, device: as for :class:`TokenPacking`.
+    """
+
+    def __init__(self, batch: int, length: int, mask: torch.Tensor | None, device=None) -> None:
+        TokenPacking.__init__(self, batch, length, mask, device=device)  # not PackedTokens': no grouping by image
+        self.groups = RowGroups(self.rows, batch, length)
+
+    @staticmethod
+    def _real_positions(mask: torch.Tensor | None) -> None:
+        """Every position is kept: packing is a reshape."""
+        return None
+
+    def unpack(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        """``(B * L, *rest) -> (B, L, *rest)``: the tokens in their rows, ``padding`` where the mask is False."""
+        rows = tokens.reshape(self.batch, self.length, *tokens.shape[1:])  # (B, L, *rest)
+        if self.mask is None:
+            return rows
+        real = self.mask.view(self.batch, self.length, *[1] * (tokens.dim() - 1))  # (B, L, 1, ...)
+        return torch.where(real, rows, padding)
