@@ -4,7 +4,7 @@ It turns what users and data loaders hold into what the model's :meth:`~vlfuse.m
 takes (:class:`ModelInputs`), in one place for training, inference, analysis, pruning, the scripts and
 the tests:
 
-- ``processor(images=..., questions=...)``: images (paths, PIL images, RGB arrays) and questions,
+- ``processor(images=..., questions=...)``: images (paths, PIL images, numpy arrays, torch tensors) and questions,
   each distinct image loaded and resized once (:func:`vlfuse.data.preprocess_image`, the transform
   training used) and shared through ``image_index``;
 - :meth:`VLFuseProcessor.batch`: a batch of :func:`vlfuse.data.collate_grouped` (whose images the
@@ -102,7 +102,8 @@ class VLFuseProcessor:
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
     def image(self, source: ImageSource) -> torch.Tensor:
-        """One image (a path, a PIL image or an RGB uint8 array) as the model sees it: ``(3, S, S)`` in [0, 1].
+        """One image (a path, a PIL image, a numpy array or a torch tensor: :func:`vlfuse.data.transforms.array_to_image`)
+        as the model sees it: ``(3, S, S)`` in [0, 1].
 
         Raises:
             vlfuse.data.ImageLoadError: the image cannot be read (the message names the file).
@@ -118,6 +119,7 @@ class VLFuseProcessor:
             raise ValueError("images and questions must be sequences (one image per question), not a single item")
         if len(images) != len(questions):
             raise ValueError(f"need one image per question: got {len(images)} images and {len(questions)} questions")
+        images = list(images)  # kept alive: an array or tensor is known by its id (a batch's rows are new objects)
         slots: dict[Hashable, int] = {}
         pixels = []
         for image in images:
@@ -149,6 +151,6 @@ def image_key(image: ImageSource) -> Hashable:
     so ids are not reused)."""
     if isinstance(image, (str, os.PathLike)):
         return os.path.abspath(os.fspath(image))
-    if isinstance(image, (Image.Image, np.ndarray)):
+    if isinstance(image, (Image.Image, np.ndarray, torch.Tensor)):
         return id(image)
-    raise ValueError(f"image must be a file path, a PIL image or an RGB array, got {type(image).__name__}")
+    raise ValueError(f"image must be a file path, a PIL image, a numpy array or a torch tensor, got {type(image).__name__}")

@@ -2,7 +2,8 @@
 
 Every image file is opened lazily (:func:`open_image`: Pillow reads the header) and decoded by
 :func:`decode_image`, which refuses an image of more than :data:`MAX_IMAGE_PIXELS` pixels before
-decoding it, and decodes a JPEG at a reduced scale when the model reads it much smaller.
+decoding it, and decodes a JPEG at a reduced scale when the model reads it much smaller. An image
+held as a numpy array or a torch tensor becomes the PIL image it stands for (:func:`array_to_image`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ MAX_IMAGE_PIXELS = 40_000_000
 larger one is refused before it is decoded. Read at each call: set
 ``vlfuse.data.transforms.MAX_IMAGE_PIXELS`` to change it (Pillow's own ``Image.MAX_IMAGE_PIXELS``,
 about 89 MP, no longer decides; twice it stays Pillow's hard limit)."""
+
+ARRAY_CHANNELS = (1, 3, 4)
+"""The channel counts of an image array: gray, RGB, RGBA."""
 
 DRAFT_MARGIN = 2
 """A JPEG is decoded at 1/2, 1/4 or 1/8 scale only while both sides stay at least this many times
@@ -84,12 +88,11 @@ def load_image(source: ImageSource, size: int | None = None) -> Image.Image:
     """Return ``source`` as an RGB PIL image (paths are opened; any mode Pillow reads is converted).
 
     A file, or a PIL image opened from one and not decoded yet, goes through :func:`decode_image`
-    (``size``: the side it will be resized to, for reduced-scale JPEG decoding).
+    (``size``: the side it will be resized to, for reduced-scale JPEG decoding). A numpy array or
+    a torch tensor goes through :func:`array_to_image`.
     """
-    if isinstance(source, np.ndarray):
-        if source.dtype != np.uint8 or source.ndim != 3 or source.shape[-1] != 3:
-            raise ImageLoadError(f"array images must be uint8 (H, W, 3) RGB, got {source.dtype} {source.shape}")
-        return Image.fromarray(source, mode="RGB")
+    if isinstance(source, (np.ndarray, torch.Tensor)):
+        return array_to_image(source)
     if isinstance(source, ImageFile.ImageFile) and source.tile:  # opened, not decoded
         return to_rgb(decode_image(source, source.filename or "the image", size))
     if isinstance(source, Image.Image):
@@ -101,6 +104,71 @@ def load_image(source: ImageSource, size: int | None = None) -> Image.Image:
         raise ImageLoadError(f"image file not found: {path}")
     with open_image(path, str(path)) as img:
         return to_rgb(decode_image(img, str(path), size))
+
+
+def array_to_image(array: np.ndarray | torch.Tensor) -> Image.Image:
+    """The RGB PIL image that a numpy array or a torch tensor holds.
+
+    Shapes: ``(H, W)`` gray, ``(H, W, C)`` or ``(C, H, W)`` with ``C`` 1 (gray), 3 (RGB) or 4 (RGBA,
+    composited on black as for a PIL RGBA image). A 3-D numpy array is channel-last, unless only its
+    first dimension is 1, 3 or 4 (``(3, 224, 224)``); a torch tensor is channel-first (torchvision's
+    ``(3, H, W)``), unless only its last dimension is 1, 3 or 4. Values: ``uint8`` 0-255, float
+    ``[0, 1]`` (rounded to the nearest 1/255, as a PIL image holds it) or bool (False black, True
+    white).
+
+    Raises:
+        ImageLoadError: one line naming the shape and dtype, for any other shape, channel count or
+            dtype, for NaN or infinite values, and for floats outside ``[0, 1]`` (with the range found).
+    """
+    kind = "tensor" if isinstance(array, torch.Tensor) else "array"
+    what = f"image {kind} of shape {tuple(array.shape)} and dtype {str(array.dtype).removeprefix('torch.')}"
+    pixels = _as_numpy(array)
+    hwc = _channel_last(pixels, channel_first=isinstance(array, torch.Tensor), what=what)  # (H, W, C)
+    image = _as_uint8(hwc, what)
+    return to_rgb(Image.fromarray(np.ascontiguousarray(image[:, :, 0] if image.shape[2] == 1 else image)))
+
+
+def _as_numpy(array: np.ndarray | torch.Tensor) -> np.ndarray:
+    """``array`` as a numpy array; a tensor's half-precision floats (no numpy bfloat16) as float32."""
+    if not isinstance(array, torch.Tensor):
+        return array
+    tensor = array.detach().cpu()
+    if tensor.is_floating_point() and tensor.dtype not in (torch.float32, torch.float64):
+        tensor = tensor.float()
+    return tensor.numpy()
+
+
+def _channel_last(pixels: np.ndarray, channel_first: bool, what: str) -> np.ndarray:
+    """``pixels`` as ``(H, W, C)`` by :func:`array_to_image`'s rule (``channel_first``: a tensor's preference)."""
+    shape = pixels.shape
+    if pixels.ndim == 2:
+        hwc = pixels[:, :, None]  # (H, W) -> (H, W, 1)
+    elif pixels.ndim == 3 and shape[0] in ARRAY_CHANNELS and (channel_first or shape[2] not in ARRAY_CHANNELS):
+        hwc = pixels.transpose(1, 2, 0)  # (C, H, W) -> (H, W, C)
+    elif pixels.ndim == 3 and shape[2] in ARRAY_CHANNELS:
+        hwc = pixels
+    else:
+        raise ImageLoadError(f"{what}: expected (H, W), (H, W, C) or (C, H, W) with C = 1, 3 or 4 channels")
+    if 0 in hwc.shape:
+        raise ImageLoadError(f"{what}: the image has no pixels")
+    return hwc
+
+
+def _as_uint8(pixels: np.ndarray, what: str) -> np.ndarray:
+    """uint8 ``pixels`` as they are; bool as 0 or 255; floats in [0, 1] times 255, rounded."""
+    if pixels.dtype == np.uint8:
+        return pixels
+    if pixels.dtype == np.bool_:
+        return pixels.astype(np.uint8) * 255
+    if not np.issubdtype(pixels.dtype, np.floating):
+        raise ImageLoadError(f"{what}: pixels must be uint8 (0-255), float in [0, 1] or bool")
+    values = pixels.astype(np.float64)
+    if not np.isfinite(values).all():
+        raise ImageLoadError(f"{what}: has NaN or infinite values")
+    low, high = float(values.min()), float(values.max())
+    if low < 0.0 or high > 1.0:
+        raise ImageLoadError(f"{what}: float pixels must be in [0, 1], found values in [{low:g}, {high:g}]")
+    return (values * 255.0 + 0.5).astype(np.uint8)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

@@ -31,6 +31,9 @@ from vlfuse.runtime import DEFAULT_DEVICE, DEFAULT_THREADS, using_threads
 ERROR_POLICIES = ("raise", "report")
 PROGRESS_MIN_PAIRS = 256
 """``vlfuse predict`` shows a progress bar on inputs longer than this, when stderr is a terminal."""
+LOW_CONFIDENCE_UNKNOWN = 0.5
+"""An answer to a question with at least this share of its words unknown to the tokenizer is marked
+``low_confidence``: the model read little of what was asked."""
 
 
 class PredictWarning(UserWarning):
@@ -57,6 +60,8 @@ class _Pair:
     num_tokens: int = 0
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
+    unknown_words: list[str] = field(default_factory=list)
+    low_confidence: bool = False
 
 
 @dataclass
@@ -134,8 +139,9 @@ class Predictor(ModelRunner):
         """Answer ``questions[i]`` about ``images[i]`` for every i.
 
         Args:
-            images: one per question: file paths, PIL images or RGB uint8 arrays; repeat the same
-                path or object for several questions about one image.
+            images: one per question: file paths, PIL images, numpy arrays or torch tensors (the
+                forms of :func:`vlfuse.data.transforms.array_to_image`); repeat the same path or
+                object for several questions about one image.
             questions: the questions.
             top_k: also return the ``top_k`` best answers (when above 1).
             errors: ``"raise"``: a bad pair (unreadable image, empty question, scores that are not
@@ -155,7 +161,10 @@ class Predictor(ModelRunner):
             One dict per pair, in input order: ``answer`` and ``score`` (its softmax probability),
             ``top_k`` (a list of ``{answer, score}``, best first) when ``top_k > 1``, ``warnings``
             when the question was truncated or has unknown words (each also issued as a
-            :class:`PredictWarning`), ``attention_maps`` (the files written) when asked;
+            :class:`PredictWarning`), ``unknown_words`` (the words read as the unknown token, once
+            each, in order) when there are any, ``low_confidence: True`` on an answer when at least
+            :data:`LOW_CONFIDENCE_UNKNOWN` of the question's words are unknown, ``attention_maps``
+            (the files written) when asked;
             or ``error`` (and no answer) for a bad pair with ``errors="report"``, among them a pair
             whose scores are NaN or infinite (a model with broken weights).
         """
@@ -285,12 +294,17 @@ class Predictor(ModelRunner):
         encoded = tokenizer(
             [p.question for p in pairs], truncation=False, return_offsets_mapping=True, verbose=False
         )
-        for pair, ids, offsets in zip(pairs, encoded["input_ids"], encoded["offset_mapping"]):
+        for i, (pair, ids, offsets) in enumerate(zip(pairs, encoded["input_ids"], encoded["offset_mapping"])):
             pair.num_tokens = min(len(ids), limit)
             unknown = [pair.question[s:e] for token, (s, e) in zip(ids, offsets) if token == tokenizer.unk_token_id]
+            pair.unknown_words = list(dict.fromkeys(unknown))
             if unknown:
-                words = ", ".join(repr(w) for w in dict.fromkeys(unknown))
+                words = ", ".join(repr(w) for w in pair.unknown_words)
                 pair.warnings.append(f"unknown words, read as {tokenizer.unk_token}: {words}")
+            missing, total = count_unknown_words(pair.question, ids, offsets, encoded.word_ids(i), tokenizer.unk_token_id)
+            pair.low_confidence = total > 0 and missing >= LOW_CONFIDENCE_UNKNOWN * total
+            if pair.low_confidence:
+                pair.warnings.append(f"{missing} of the question's {total} words are unknown: a low-confidence answer")
             if len(ids) > limit:
                 pair.warnings.append(f"question has {len(ids)} tokens; the model reads the first {limit}")
             if attention_token is not None and not 0 <= attention_token < pair.num_tokens:
@@ -405,4 +419,23 @@ class Predictor(ModelRunner):
         result = {"error": pair.error} if pair.error is not None else dict(result)
         if pair.warnings:
             result["warnings"] = list(pair.warnings)
+        if pair.unknown_words:
+            result["unknown_words"] = list(pair.unknown_words)
+        if pair.low_confidence and pair.error is None:
+            result["low_confidence"] = True
         return result
+
+
+def count_unknown_words(
+    question: str, ids: list[int], offsets: list[tuple[int, int]], word_ids: list[int | None], unk_id: int
+) -> tuple[int, int]:
+    """``(unknown, total)``: how many words of ``question`` the tokenizer does not know, of how many.
+
+    A word is one of the tokenizer's words (its ``word_ids``) with a letter or digit in it
+    (punctuation does not count); it is unknown when one of its tokens is ``unk_id``.
+    """
+    unknown: dict[int, bool] = {}
+    for token, (start, end), word in zip(ids, offsets, word_ids):
+        if word is not None and any(c.isalnum() for c in question[start:end]):
+            unknown[word] = unknown.get(word, False) or token == unk_id
+    return sum(unknown.values()), len(unknown)
