@@ -143,15 +143,24 @@ class VLFuseCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         """Choose this run's folders and send its files there (:meth:`place_run`), then Lightning's
-        instantiation; a failure in either leaves no empty folder behind."""
+        instantiation and, for a fit, the check of its data (:meth:`check_splits`); a failure in any
+        leaves no empty folder behind."""
         self.run: runs.Run | None = None
         try:
             self.place_run(self.config[self.subcommand])
             super().instantiate_classes()
+            self.check_splits(self.config[self.subcommand])
         except BaseException:
             if self.run is not None:
                 runs.release(self.run, self.run_root)
             raise
+
+    def check_splits(self, config: Namespace) -> None:
+        """Before a fit trains: have a VQA datamodule load every split the fit will read, the test split
+        too with ``test_after_fit`` (:meth:`~vlfuse.datamodules.VQADataModule.check_splits`), so that a
+        missing or bad one stops the run before its first step."""
+        if self.subcommand == "fit" and isinstance(self.datamodule, VQADataModule):
+            self.datamodule.check_splits(["fit", "test"] if config.get("test_after_fit") else ["fit"])
 
     def place_run(self, config: Namespace) -> None:
         """Choose this run's folders (:func:`vlfuse.runs.choose`) and send the checkpoints, the model, the

@@ -1,22 +1,31 @@
-"""VQA data in the Hugging Face ``imagefolder`` layout, or any ``datasets`` dataset.
+"""VQA data in the Hugging Face ``imagefolder`` layout, in a table of rows, or any ``datasets`` dataset.
 
-A split is a folder of images with a ``metadata.jsonl``, one JSON object a line::
+A split is a folder of images with one metadata file (:data:`METADATA_FILES`): ``metadata.jsonl``
+(one JSON object a line), ``metadata.csv`` (a header line, then one row a line) or
+``metadata.parquet`` (with ``pyarrow``), one row per question::
 
     {"file_name": "0001.png", "question": "what shape is this?", "answer": "circle"}
     {"file_name": "0001.png", "question": "what colour is it?", "answers": ["red", "red", "dark red"]}
 
-``answer`` is one answer, used as written; ``answers`` is every annotator's answer (as VQA v2),
-normalised by VQA's rules (:func:`~vlfuse.data.vqa_v2.normalize_answer`): its majority answer is
-the label and all of them give the soft accuracy. Rows naming the same image become one
-:class:`ImageQuestions`, so the image is encoded once per batch for all its questions.
+A table of rows (:func:`load_table`: CSV, JSON, JSON Lines or Parquet, see :mod:`vlfuse.data.tables`)
+holds the same rows, its image paths relative to its own folder. ``columns`` says which column
+holds each field when they are named otherwise.
+
+``answer`` is one answer, used as written; ``answers`` is every annotator's answer (as VQA v2; in
+a CSV cell, a JSON list), normalised by VQA's rules (:func:`~vlfuse.data.vqa_v2.normalize_answer`):
+its majority answer is the label and all of them give the soft accuracy. Rows naming the same
+image become one :class:`ImageQuestions`, so the image is encoded once per batch for all its questions.
 
 Every row is checked, and every image decoded once, when the split is loaded: a bad row raises a
-:class:`BadRowError` whose one line names the metadata file, the line and the image, or, with
-``skip_bad_rows``, is left out and counted. A ``file_name`` must stay inside the split's folder
+:class:`BadRowError` whose one line names the file, the line and the image, or, with
+``skip_bad_rows``, is left out and counted. A ``file_name`` must stay inside the table's folder
 once ``..`` and symbolic links are resolved (an absolute path, or one that climbs out, is a bad
 row) unless ``allow_outside_paths`` is set. Images are opened by
 :func:`~vlfuse.data.transforms.open_image`, so an image over
 :data:`~vlfuse.data.transforms.MAX_IMAGE_PIXELS` is a bad row too, found before it is decoded.
+
+The split folders are found by name (:data:`SPLIT_NAMES`: ``validation``, ``val``, ``valid`` or
+``dev`` for the validation split, ...; :func:`find_split`).
 """
 
 from __future__ import annotations
@@ -31,15 +40,19 @@ from typing import Any, Iterable, Mapping
 from PIL import Image
 
 from vlfuse.data.records import ImageQuestions, ImageSource
+from vlfuse.data.tables import BadRowError, Table, read_table
 from vlfuse.data.transforms import ImageLoadError, load_image, open_image
 from vlfuse.data.vqa_v2 import majority_answer, normalize_answer
 
 METADATA_FILE = "metadata.jsonl"
+"""The metadata file that vlfuse writes (scripts/easy_vqa_as_imagefolder.py)."""
+METADATA_FILES = (METADATA_FILE, "metadata.csv", "metadata.parquet")
+"""The metadata files a split folder may hold (one of them), as Hugging Face's imagefolder reads them."""
 COLUMNS = ("image", "question", "answer", "answers")
-
-
-class BadRowError(ValueError):
-    """A metadata row that cannot be used; the one-line message says where and why."""
+FOLDER_COLUMNS = {"image": "file_name", "question": "question", "answer": "answer", "answers": "answers"}
+"""The column of each field in a metadata file or table, unless ``columns`` says otherwise."""
+SPLIT_NAMES = {"train": ("train",), "val": ("validation", "val", "valid", "dev"), "test": ("test", "testing")}
+"""vlfuse's split -> the names it goes by (a split folder's, a ``data_files`` key), the first the Hugging Face one."""
 
 
 @dataclass
@@ -59,31 +72,170 @@ class _Row:
     human_answers: list[str]
 
 
-def _text(row: Mapping, column: str, where: str) -> str:
+# ------------------------------------------------------------------------------ split names
+def split_label(split: str) -> str:
+    """How messages name vlfuse's ``split``: its Hugging Face name (``val`` -> ``validation``)."""
+    return SPLIT_NAMES[split][0]
+
+
+def find_split(present: Iterable[str], split: str, where: str, mark: str = "") -> str | None:
+    """The name among ``present`` that ``split`` goes by (:data:`SPLIT_NAMES`), ``None`` if none.
+
+    Args:
+        present: the names there are (folders, ``data_files`` keys).
+        split: 'train', 'val' or 'test'.
+        where: how messages name the place, e.g. the data folder.
+        mark: put after each name in messages (``/`` for folders).
+
+    Raises:
+        ValueError: two names of the split are present.
+    """
+    present = set(present)
+    found = [name for name in SPLIT_NAMES[split] if name in present]
+    if len(found) > 1:
+        names = " and ".join(f"{name}{mark}" for name in found)
+        raise ValueError(f"{where} has {len(found)} {split_label(split)} splits, {names}: keep one")
+    return found[0] if found else None
+
+
+def no_split(present: Iterable[str], split: str, where: str, mark: str = "") -> FileNotFoundError:
+    """The error for ``where`` without ``split``: every name looked for, and what was found."""
+    looked = ", ".join(f"{name}{mark}" for name in SPLIT_NAMES[split])
+    found = ", ".join(f"{name}{mark}" for name in present) or "nothing"
+    return FileNotFoundError(f"{where} has no {split_label(split)} split: looked for {looked}; found {found}")
+
+
+def subfolders(data_dir: Path) -> list[str]:
+    """The names of ``data_dir``'s folders (hidden ones aside), sorted.
+
+    Raises:
+        FileNotFoundError: ``data_dir`` is not a folder.
+    """
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"{data_dir} not found: data_dir is the folder holding train/, validation/ and test/")
+    return sorted(entry.name for entry in data_dir.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+
+
+def split_folder(data_dir: Path, split: str) -> Path:
+    """The folder of ``split`` in ``data_dir`` (:func:`find_split`).
+
+    Raises:
+        FileNotFoundError: none of its names is a folder there.
+        ValueError: two of them are.
+    """
+    present = subfolders(data_dir)
+    name = find_split(present, split, str(data_dir), "/")
+    if name is None:
+        raise no_split(present, split, str(data_dir), "/")
+    return data_dir / name
+
+
+def find_metadata(split_dir: Path) -> Path:
+    """The one metadata file (:data:`METADATA_FILES`) of a split folder.
+
+    Raises:
+        FileNotFoundError: it has none.
+        ValueError: it has several.
+    """
+    found = [split_dir / name for name in METADATA_FILES if (split_dir / name).is_file()]
+    if not found:
+        raise FileNotFoundError(
+            f"{split_dir} has no metadata file: looked for {', '.join(METADATA_FILES)} "
+            "(an imagefolder split is a folder of images with one)"
+        )
+    if len(found) > 1:
+        raise ValueError(f"{split_dir} has {' and '.join(path.name for path in found)}: keep one metadata file per split")
+    return found[0]
+
+
+# ------------------------------------------------------------------------------ columns
+def column_mapping(columns: Mapping[str, str] | None) -> dict[str, str]:
+    """The column of every field: :data:`FOLDER_COLUMNS`, with those ``columns`` names replaced.
+
+    Raises:
+        ValueError: ``columns`` names a field that is not one of :data:`COLUMNS`.
+    """
+    unknown = sorted(set(columns or {}) - set(COLUMNS))
+    if unknown:
+        raise ValueError(f"columns: unknown keys {unknown}; expected some of {list(COLUMNS)}")
+    return {**FOLDER_COLUMNS, **(columns or {})}
+
+
+def _suggest(field: str, present: Iterable[str], columns: Mapping[str, str]) -> str:
+    """``set --data.init_args.columns.question q``: the one unmapped column that starts as ``field`` does, if any."""
+    unmapped = [name for name in present if name not in columns.values() and name[:1].lower() == field[0]]
+    column = unmapped[0] if len(unmapped) == 1 else "to the column that holds it"
+    return f"set --data.init_args.columns.{field} {column}"
+
+
+def check_columns(source: str, present: list[str], columns: Mapping[str, str]) -> None:
+    """Check that a table whose header or schema names ``present`` has a column for every field.
+
+    Raises:
+        BadRowError: a field has no column; the message lists the columns and the setting to give.
+    """
+    listed = ", ".join(present) or "none"
+    for field in ("image", "question"):
+        if columns[field] not in present:
+            raise BadRowError(f"{source}: no column {columns[field]!r} (columns: {listed}); {_suggest(field, present, columns)}")
+    if columns["answer"] not in present and columns["answers"] not in present:
+        raise BadRowError(
+            f"{source}: no column {columns['answer']!r} or {columns['answers']!r} (columns: {listed}); "
+            f"{_suggest('answer', present, columns)}"
+        )
+
+
+# ------------------------------------------------------------------------------ rows
+def _absent(row: Mapping, field: str, columns: Mapping[str, str]) -> str:
+    """What a row without ``field``'s column holds instead, and the setting that would name it."""
+    return f"the row has {', '.join(map(str, row)) or 'nothing'}; {_suggest(field, map(str, row), columns)}"
+
+
+def _text(row: Mapping, field: str, columns: Mapping[str, str], where: str) -> str:
+    column = columns[field]
     value = row.get(column)
+    if column not in row:
+        raise BadRowError(f"{where}: no {column!r} (a non-empty string); {_absent(row, field, columns)}")
     if not isinstance(value, str) or not value.strip():
         raise BadRowError(f"{where}: no {column!r} (a non-empty string); got {value!r}")
     return value.strip()
 
 
+def _listed(value: Any, column: str, where: str) -> list[str]:
+    """A non-empty list of answers: a list, or (in a cell of text, as a CSV's) the JSON text of one."""
+    listed = value
+    if isinstance(value, str):
+        try:
+            listed = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(listed, list) or not listed or not all(isinstance(a, str) and a.strip() for a in listed):
+        raise BadRowError(
+            f"{where}: {column!r} must be a non-empty list of answers (in a CSV cell, a JSON list: "
+            f'["red", "dark red"]); got {value!r}'
+        )
+    return listed
+
+
 def _answers(row: Mapping, columns: Mapping[str, str], where: str) -> tuple[str, list[str]]:
-    """(label, human answers) of a row with an ``answer`` string or an ``answers`` list."""
+    """(label, human answers) of a row with an ``answer`` string or an ``answers`` list; an empty
+    value (a CSV's empty cell, a null) is as good as none."""
     humans = row.get(columns["answers"])
-    if humans is not None:
-        if not isinstance(humans, list) or not humans or not all(isinstance(a, str) and a.strip() for a in humans):
-            raise BadRowError(f"{where}: {columns['answers']!r} must be a non-empty list of answers; got {humans!r}")
-        humans = [normalize_answer(a) for a in humans]
+    if humans is not None and humans != "":
+        humans = [normalize_answer(a) for a in _listed(humans, columns["answers"], where)]
         label = normalize_answer(row[columns["answer"]]) if isinstance(row.get(columns["answer"]), str) else None
         return label or majority_answer(humans), humans
     if columns["answer"] not in row:
-        raise BadRowError(f"{where}: no {columns['answer']!r} (a string) or {columns['answers']!r} (a list)")
-    return _text(row, columns["answer"], where), []
+        raise BadRowError(
+            f"{where}: no {columns['answer']!r} (a string) or {columns['answers']!r} (a list); {_absent(row, 'answer', columns)}"
+        )
+    return _text(row, "answer", columns, where), []
 
 
 def _question_and_answers(row: Any, columns: Mapping[str, str], where: str) -> tuple[str, str, list[str]]:
     if not isinstance(row, dict):
         raise BadRowError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    return (_text(row, columns["question"], where), *_answers(row, columns, where))
+    return (_text(row, "question", columns, where), *_answers(row, columns, where))
 
 
 class _Checked:
@@ -133,70 +285,96 @@ def _group(rows: Iterable[_Row | BadRowError], skip_bad_rows: bool) -> LoadedSpl
     return LoadedSplit(list(by_image.values()), skipped)
 
 
-def _inside(split_dir: Path, file_name: str, where: str) -> Path:
-    """``split_dir / file_name``, which must lie inside ``split_dir`` once ``..`` and links are resolved."""
-    path = split_dir / file_name
-    if not path.resolve().is_relative_to(split_dir.resolve()):
-        raise BadRowError(
-            f"{where}: file_name {file_name!r} is outside the split folder {split_dir} "
-            "(allow_outside_paths reads it)"
-        )
+def _inside(folder: Path, file_name: str, where: str, column: str, within: str) -> Path:
+    """``folder / file_name``, which must lie inside ``folder`` once ``..`` and links are resolved."""
+    path = folder / file_name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise BadRowError(f"{where}: {column} {file_name!r} is outside {within} (allow_outside_paths reads it)")
     return path
 
 
-def _folder_rows(
-    split_dir: Path, metadata: Path, image_size: int | None, allow_outside_paths: bool
+def _table_rows(
+    table: Table, columns: Mapping[str, str], within: str, image_size: int | None, allow_outside_paths: bool
 ) -> Iterable[_Row | BadRowError]:
-    columns = {"image": "file_name", "question": "question", "answer": "answer", "answers": "answers"}
+    folder = table.path.parent
     check = _Checked(image_size)
-    with metadata.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            if not raw.strip():
-                continue
-            where = f"{metadata}:{number}"
-            try:
-                try:
-                    row = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError as err:
-                    raise BadRowError(f"{where}: not UTF-8 text: {err.reason} at byte {err.start}") from None
-                except json.JSONDecodeError as err:
-                    raise BadRowError(f"{where}: not valid JSON: {err.msg} (column {err.colno})") from None
-                question, answer, humans = _question_and_answers(row, columns, where)
-                file_name = _text(row, columns["image"], where)
-                path = split_dir / file_name if allow_outside_paths else _inside(split_dir, file_name, where)
-                check(file_name, path, where)
-                yield _Row(file_name, str(path), question, answer, humans)
-            except BadRowError as err:
-                yield err
+    for where, row in table.rows:
+        try:
+            if isinstance(row, BadRowError):
+                raise row
+            question, answer, humans = _question_and_answers(row, columns, where)
+            file_name = _text(row, "image", columns, where)
+            path = folder / file_name if allow_outside_paths else _inside(folder, file_name, where, columns["image"], within)
+            check(file_name, path, where)
+            yield _Row(file_name, str(path), question, answer, humans)
+        except BadRowError as err:
+            yield err
+
+
+def load_table(
+    path: str | Path,
+    *,
+    columns: Mapping[str, str] | None = None,
+    skip_bad_rows: bool = False,
+    image_size: int | None = None,
+    allow_outside_paths: bool = False,
+    within: str | None = None,
+) -> LoadedSplit:
+    """Read a table of rows (:func:`~vlfuse.data.tables.read_table`: CSV, JSON, JSON Lines or
+    Parquet), one per question, whose image paths are relative to the table's folder.
+
+    Args:
+        path: the table, e.g. ``DATA/train/metadata.csv`` or ``data.csv``.
+        columns: which column holds ``image``, ``question``, ``answer`` (a string) and ``answers``
+            (a list of human answers); unnamed ones are ``file_name``, ``question``, ``answer``, ``answers``.
+        skip_bad_rows: leave out (and count) rows that cannot be read, with no question, no answer,
+            a missing, unreadable or too large image, or a path outside the table's folder, instead of raising.
+        image_size: the side images will be resized to, so that each is checked as training decodes
+            it; ``None`` checks them at full size.
+        allow_outside_paths: read an image path that is absolute or leads outside the table's folder
+            (through ``..`` or a symbolic link) instead of refusing it.
+        within: how messages name the table's folder (default: ``DIR, the folder of data.csv``).
+
+    Raises:
+        FileNotFoundError: no such table.
+        ValueError: not a table vlfuse reads, or ``columns`` names an unknown field.
+        BadRowError: a table without a column for a field, or a bad row (the message names the
+            file, the line and the image).
+    """
+    path = Path(path)
+    mapping = column_mapping(columns)
+    table = read_table(path)
+    if table.columns is not None:
+        check_columns(str(path), table.columns, mapping)
+    within = within or f"{path.parent}, the folder of {path.name}"
+    return _group(_table_rows(table, mapping, within, image_size, allow_outside_paths), skip_bad_rows)
 
 
 def load_imagefolder_split(
     split_dir: str | Path,
     *,
+    columns: Mapping[str, str] | None = None,
     skip_bad_rows: bool = False,
     image_size: int | None = None,
     allow_outside_paths: bool = False,
 ) -> LoadedSplit:
-    """Read one split folder (images and ``metadata.jsonl``).
-
-    Args:
-        split_dir: the folder, e.g. ``DATA/train``.
-        skip_bad_rows: leave out (and count) rows with malformed JSON, no question, no answer, a
-            missing, unreadable or too large image, or a path outside ``split_dir``, instead of raising.
-        image_size: the side images will be resized to, so that each is checked as training decodes
-            it; ``None`` checks them at full size.
-        allow_outside_paths: read a ``file_name`` that is absolute or leads outside ``split_dir``
-            (through ``..`` or a symbolic link) instead of refusing it.
+    """Read one split folder: its images and its metadata file (:func:`find_metadata`), as
+    :func:`load_table` reads a table (the arguments are its own).
 
     Raises:
-        FileNotFoundError: no ``metadata.jsonl`` in ``split_dir``.
+        FileNotFoundError: no metadata file in ``split_dir``.
+        ValueError: several.
         BadRowError: a bad row (the message names the file, the line and the image).
     """
     split_dir = Path(split_dir)
-    metadata = split_dir / METADATA_FILE
-    if not metadata.is_file():
-        raise FileNotFoundError(f"{metadata} not found: an imagefolder split is a folder of images with a {METADATA_FILE}")
-    return _group(_folder_rows(split_dir, metadata, image_size, allow_outside_paths), skip_bad_rows)
+    return load_table(
+        find_metadata(split_dir),
+        columns=columns,
+        skip_bad_rows=skip_bad_rows,
+        image_size=image_size,
+        allow_outside_paths=allow_outside_paths,
+        within=f"the split folder {split_dir}",
+    )
 
 
 def _hub_image(value: Any, where: str) -> tuple[str, ImageSource]:
@@ -229,6 +407,10 @@ def _hub_rows(rows: Iterable[Mapping], columns: Mapping[str, str], source: str) 
             yield BadRowError(f"{where}: {err}")
 
 
+HUB_COLUMNS = {"image": "image"}
+"""A ``datasets`` dataset's image column, unless ``columns`` says otherwise (the others as :data:`FOLDER_COLUMNS`)."""
+
+
 def records_from_rows(
     rows: Iterable[Mapping], columns: Mapping[str, str] | None = None, *, source: str = "dataset", skip_bad_rows: bool = False
 ) -> LoadedSplit:
@@ -241,11 +423,7 @@ def records_from_rows(
         source: how messages name the data, e.g. ``"user/vqa [train]"``.
         skip_bad_rows: leave out and count bad rows instead of raising.
     """
-    unknown = sorted(set(columns or {}) - set(COLUMNS))
-    if unknown:
-        raise ValueError(f"columns: unknown keys {unknown}; expected some of {list(COLUMNS)}")
-    mapping = {**{c: c for c in COLUMNS}, **(columns or {})}
-    return _group(_hub_rows(rows, mapping, source), skip_bad_rows)
+    return _group(_hub_rows(rows, column_mapping({**HUB_COLUMNS, **(columns or {})}), source), skip_bad_rows)
 
 
 def load_hub_split(
@@ -259,13 +437,19 @@ def load_hub_split(
     """One split of a ``datasets`` dataset (hub name or local path), read as :func:`records_from_rows`.
 
     Images are kept encoded (``decode=False``) until each is checked and batched.
+
+    Raises:
+        ValueError: the ``datasets`` package is not installed.
+        BadRowError: the split has no column for a field, or a bad row.
     """
     try:
         import datasets
     except ImportError:  # a ValueError: the CLI shows it as one line
         raise ValueError(f"reading the datasets dataset {name!r} needs the 'datasets' package: pip install datasets") from None
+    mapping = column_mapping({**HUB_COLUMNS, **(columns or {})})
     data = datasets.load_dataset(name, config_name, split=split)
-    image_column = (columns or {}).get("image", "image")
-    if isinstance(data.features.get(image_column), datasets.Image):
-        data = data.cast_column(image_column, datasets.Image(decode=False))
-    return records_from_rows(data, columns, source=f"{name} [{split}]", skip_bad_rows=skip_bad_rows)
+    source = f"{name} [{split}]"
+    check_columns(source, list(data.column_names), mapping)
+    if isinstance(data.features.get(mapping["image"]), datasets.Image):
+        data = data.cast_column(mapping["image"], datasets.Image(decode=False))
+    return records_from_rows(data, mapping, source=source, skip_bad_rows=skip_bad_rows)

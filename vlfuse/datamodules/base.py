@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from functools import cached_property
+from typing import Iterable
 
 import lightning as L
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
@@ -13,6 +14,8 @@ from vlfuse.data import AnswerVocab, GroupedVQADataset, ImageQuestions, collate_
 from vlfuse.data.resumable import EpochShuffleSampler, ResumableDataLoader
 
 SPLITS = ("train", "val", "test")
+STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}
+"""The splits each of Lightning's stages reads."""
 
 
 class VQADataModule(L.LightningDataModule):
@@ -80,6 +83,14 @@ class VQADataModule(L.LightningDataModule):
             records = self._all_train_records if split == "train" else self.load_records(split)
             self._records[split] = records[: self.limit_images] if self.limit_images else records
         return self._records[split]
+
+    def check_splits(self, stages: Iterable[str]) -> None:
+        """Load every split that ``stages`` ('fit', 'validate', 'test') will read, so that a missing or
+        bad one stops the run now: ``vlfuse fit`` asks this before training, for the test split too when
+        it will test after fitting. The records are kept for the run."""
+        for stage in stages:
+            for split in STAGE_SPLITS[stage]:
+                self.records(split)
 
     @cached_property
     def _all_train_records(self) -> list[ImageQuestions]:
