@@ -7,16 +7,19 @@ import copy
 import math
 import sys
 from pathlib import Path
+from typing import Literal, Sequence
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassAccuracy
 
 from vlfuse import model_io
-from vlfuse.data import IGNORE_INDEX, GroupedVQADataset
+from vlfuse.data import IGNORE_INDEX, AnswerVocab, GroupedVQADataset
+from vlfuse.data.answers import quoted
 from vlfuse.datamodules import VQADataModule
 from vlfuse.metrics import VQASoftAccuracy
 from vlfuse.model import VLFuseConfig, VLFuseModel, VLFuseOutput
@@ -50,7 +53,12 @@ class VLFuseLitModule(L.LightningModule):
             while the layers trained from scratch learn at ``lr``.
         pretrained: a directory written by :meth:`VLFuseModel.save_pretrained` (e.g. by ``vlfuse
             prune``): use that model, its architecture and tokenizer, instead of building one from
-            ``architecture`` (to test it, or to fine-tune it). Its answers must be the data's.
+            ``architecture`` (to test it, or to fine-tune it). The data is labelled with its answers,
+            by name (:meth:`VQADataModule.use_answers`): a question whose answer the model lacks
+            counts as wrong, with a warning.
+        new_answers: what fine-tuning ``pretrained`` (``fit``) does with training answers the model
+            lacks: ``refuse`` (stop, naming them) or ``extend`` (append them to its answers, the
+            head growing a new row for each).
     """
 
     def __init__(
@@ -63,8 +71,11 @@ class VLFuseLitModule(L.LightningModule):
         label_smoothing: float = 0.0,
         lr_ratios: dict[str, float] | None = None,
         pretrained: str | None = None,
+        new_answers: Literal["refuse", "extend"] = "refuse",
     ) -> None:
         super().__init__()
+        if new_answers not in ("refuse", "extend"):
+            raise ValueError(f"new_answers must be 'refuse' or 'extend', got {new_answers!r}")
         self.architecture = copy.deepcopy(architecture)  # the default instance is shared
         # Plain types only, so that checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters(
@@ -77,6 +88,7 @@ class VLFuseLitModule(L.LightningModule):
                 "label_smoothing": label_smoothing,
                 "lr_ratios": dict(lr_ratios or {}),
                 "pretrained": pretrained,
+                "new_answers": new_answers,
             }
         )
         self.model: VLFuseModel | None = None
@@ -93,22 +105,34 @@ class VLFuseLitModule(L.LightningModule):
         if not isinstance(datamodule, VQADataModule):
             raise ValueError("VLFuseLitModule needs a VQADataModule (data: class_path: vlfuse.datamodules...)")
         if self.hparams.pretrained:
-            self.use_pretrained(self.hparams.pretrained, datamodule.answers)
+            self.use_pretrained(self.hparams.pretrained, datamodule)
         self.configure_datamodule(datamodule)
         if self.model is None:
             self.build_model(datamodule.answers, datamodule.train_questions)
 
-    def use_pretrained(self, directory: str, answers: list[str]) -> None:
-        """Use the model saved in ``directory``; its answers must be ``answers`` (the data's)."""
+    def use_pretrained(self, directory: str, datamodule: VQADataModule) -> None:
+        """Use the model saved in ``directory`` and label ``datamodule``'s questions with its answers;
+        to fine-tune, first give it the training answers it lacks (see ``new_answers``)."""
         model = VLFuseModel.from_pretrained(directory)
-        if model.answers != answers:
+        new = self._new_training_answers(model.answers, datamodule)
+        if new and self.hparams.new_answers != "extend":
             raise ValueError(
-                f"model.pretrained {directory} answers {len(model.answers)} answers {model.answers[:5]}..., "
-                f"but the data gives {len(answers)} answers {answers[:5]}...: the answer vocabularies differ"
+                f"model.pretrained {directory} lacks {len(new)} of the training data's answers ({quoted(new)}): "
+                "--model.new_answers extend adds them to the model, or train on data with its answers"
             )
+        if new:
+            rank_zero_info(f"vlfuse: added {len(new)} answers to the model's {len(model.answers)}: {quoted(new)}")
+            model.add_answers(new)
+        datamodule.use_answers(model.answers)
         self.architecture = copy.deepcopy(model.config)
         self.hparams["architecture"] = self.architecture.to_dict()  # checkpoints describe the model in use
         self.use_model(model.train())
+
+    def _new_training_answers(self, answers: Sequence[str], datamodule: VQADataModule) -> list[str]:
+        """In ``fit``, the data's answer classes (:attr:`VQADataModule.data_vocab`) not in ``answers``; else none."""
+        if self.trainer.state.fn != TrainerFn.FITTING:
+            return []
+        return AnswerVocab(answers).unknown(datamodule.data_vocab.answers)
 
     def configure_datamodule(self, datamodule: VQADataModule) -> None:
         """Give the datamodule the model's image size (or check that they agree)."""
@@ -120,7 +144,7 @@ class VLFuseLitModule(L.LightningModule):
     def use_model(self, model: VLFuseModel) -> None:
         """Train ``model`` (e.g. a pruned one): set it and the accuracy metrics over its answers."""
         self.model = model
-        num_classes = len(model.answers)
+        num_classes = len(model.answers) + 1  # the last: every answer the model lacks (see _step)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.test_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
@@ -132,17 +156,33 @@ class VLFuseLitModule(L.LightningModule):
         checkpoint["vlfuse_format"] = model_io.FORMAT_VERSION
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Check the answers; a checkpoint of an earlier version (no ``vlfuse_format``) gets its weights renamed."""
+        """A checkpoint over other answers rebuilds the model over them (:meth:`use_checkpoint_answers`);
+        one of an earlier version (no ``vlfuse_format``) gets its weights renamed."""
         if "vlfuse_format" not in checkpoint:
             old = checkpoint.get("hyper_parameters", {}).get("architecture", {})
             prefixes = model_io.format_3_keys(old.get("readout", model_io.FORMAT_2_DEFAULTS["readout"]))
             checkpoint["state_dict"] = model_io.rename(checkpoint["state_dict"], {f"model.{a}": f"model.{b}" for a, b in prefixes.items()})
         saved = checkpoint.get("vlfuse_answers")
         if self.model is not None and saved is not None and saved != self.model.answers:
+            self.use_checkpoint_answers(saved)
+
+    def use_checkpoint_answers(self, answers: list[str]) -> None:
+        """Rebuild the model over a checkpoint's ``answers`` before its weights are loaded, and label
+        the data with them; a run is not resumed on training answers the checkpoint lacks."""
+        if self.hparams.pretrained:
             raise ValueError(
-                f"the checkpoint was trained on {len(saved)} answers {saved[:5]}..., but the data gives "
+                f"the checkpoint was trained on {len(answers)} answers {answers[:5]}..., but model.pretrained gives "
                 f"{len(self.model.answers)} answers {self.model.answers[:5]}...: the answer vocabularies differ"
             )
+        datamodule = self.trainer.datamodule
+        new = self._new_training_answers(answers, datamodule)
+        if new:
+            raise ValueError(
+                f"the checkpoint lacks {len(new)} of the training data's answers ({quoted(new)}): to fine-tune on "
+                "them, give its model folder as --model.pretrained with --model.new_answers extend"
+            )
+        datamodule.use_answers(answers)
+        self.build_model(answers, datamodule.train_questions)
 
     # ------------------------------------------------------------------------------ steps
     def forward(self, batch: dict) -> torch.Tensor:
@@ -164,10 +204,12 @@ class VLFuseLitModule(L.LightningModule):
         """
         output = self._model_output(batch)
         logits, labels = output.logits, batch["labels"]
+        known = logits.shape[-1]  # labels past the model's answers: answers it lacks (VQADataModule.use_answers)
         loss = F.cross_entropy(
-            logits, labels, ignore_index=IGNORE_INDEX, label_smoothing=self.hparams.label_smoothing
+            logits, labels.masked_fill(labels >= known, IGNORE_INDEX), ignore_index=IGNORE_INDEX,
+            label_smoothing=self.hparams.label_smoothing,
         )
-        accuracy(logits, labels)
+        accuracy(logits.argmax(-1), labels.clamp(max=known))  # the class `known` is never predicted: wrong
         n = len(labels)
         on_step = stage == "train"
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=n, on_step=on_step, on_epoch=True, sync_dist=True)
@@ -309,8 +351,9 @@ def lit_module_for(model: VLFuseModel, config: dict, config_path: Path, lr: floa
 def finetune(lit: VLFuseLitModule, datamodule: VQADataModule, epochs: int, device: str, root: Path) -> None:
     """Train ``lit.model`` for ``epochs`` epochs on ``device`` on the training split (no validation, no checkpoints).
 
-    The datamodule labels the questions with its own vocabulary, so it must be the model's answers.
+    The datamodule labels the questions with the model's answers (:meth:`VQADataModule.use_answers`).
     """
+    datamodule.use_answers(lit.model.answers)
     lit.configure_datamodule(datamodule)  # the model's image size
     accelerator, devices = lightning_accelerator(device)
     trainer = L.Trainer(

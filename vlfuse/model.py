@@ -395,6 +395,15 @@ class VLFuseModel(nn.Module):
             layers[int(layer)].prune_heads(ids)
         self.config.pruned_heads = {str(i): sorted(layer.pruned_heads) for i, layer in enumerate(layers) if layer.pruned_heads}
 
+    def add_answers(self, answers: Sequence[str]) -> None:
+        """Append ``answers`` (none of them known yet) to :attr:`answers`: the head grows a score for
+        each (:meth:`~vlfuse.heads.Head.extend_answers`), the scores of the others unchanged."""
+        known = set(self.answers).intersection(answers)
+        if known or len(set(answers)) != len(answers):
+            raise ValueError(f"answers to add must be new and distinct; already known: {sorted(known)}")
+        self.head.extend_answers(len(answers))
+        self.answers.extend(answers)
+
     # ------------------------------------------------------------------------- save and load
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write weights (safetensors), config and answers (JSON) and the tokenizer to ``directory``,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, Sequence
 
 
 class AnswerVocab:
@@ -35,3 +35,16 @@ class AnswerVocab:
             return self._index[answer]
         except KeyError:
             raise KeyError(f"answer {answer!r} is not in the answer vocabulary of {len(self)} answers") from None
+
+    def unknown(self, answers: Iterable[str]) -> list[str]:
+        """The distinct ``answers`` that are not in this vocabulary, in the order they first come."""
+        return list(dict.fromkeys(a for a in answers if a not in self._index))
+
+    def extended(self, answers: Iterable[str]) -> "AnswerVocab":
+        """This vocabulary followed by the ``answers`` it lacks: every index of this one is kept."""
+        return AnswerVocab([*self.answers, *self.unknown(answers)])
+
+
+def quoted(answers: Sequence[str], shown: int = 5) -> str:
+    """``answers`` quoted and comma-separated for a message: the first ``shown``, then how many in all."""
+    return ", ".join(map(repr, answers[:shown])) + (f", ... ({len(answers)} in all)" if len(answers) > shown else "")

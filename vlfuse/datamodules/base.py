@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import os
+import sys
 from functools import cached_property
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import lightning as L
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader, Sampler
 
 from vlfuse.data import AnswerVocab, GroupedVQADataset, ImageQuestions, collate_grouped
+from vlfuse.data.answers import quoted
 from vlfuse.data.resumable import EpochShuffleSampler, ResumableDataLoader
 
 SPLITS = ("train", "val", "test")
 STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}
 """The splits each of Lightning's stages reads."""
+
+
+@rank_zero_only
+def _warn(message: str) -> None:
+    print(f"vlfuse: warning: {message}", file=sys.stderr)
 
 
 class VQADataModule(L.LightningDataModule):
@@ -65,6 +73,8 @@ class VQADataModule(L.LightningDataModule):
         self.limit_images = limit_images
         self.seed = seed
         self._records: dict[str, list[ImageQuestions]] = {}
+        self._model_vocab: AnswerVocab | None = None  # a model's answers, see use_answers
+        self._split_vocabs: dict[str, AnswerVocab] = {}
 
     def load_records(self, split: str) -> list[ImageQuestions]:
         """Every image of ``split`` ('train', 'val' or 'test') with its questions and answers."""
@@ -98,12 +108,44 @@ class VQADataModule(L.LightningDataModule):
         return self.load_records("train")
 
     @cached_property
-    def vocab(self) -> AnswerVocab:
+    def data_vocab(self) -> AnswerVocab:
+        """The data's own answer classes: :meth:`build_vocab` of the whole training split."""
         return self.build_vocab(self._all_train_records)
+
+    @property
+    def vocab(self) -> AnswerVocab:
+        """The answer classes the labels index: a model's (:meth:`use_answers`), else :attr:`data_vocab`."""
+        return self._model_vocab or self.data_vocab
 
     @property
     def answers(self) -> list[str]:
         return self.vocab.answers
+
+    def use_answers(self, answers: Sequence[str]) -> None:
+        """Label the questions with ``answers``, a model's vocabulary, matched by name: the data's
+        answers may be the same set in another order, or a subset. Each split's answers that the
+        model does not know get labels past its answers, which it never predicts (see :meth:`split_vocab`)."""
+        self._model_vocab = AnswerVocab(answers)
+        self._split_vocabs = {}
+
+    def split_vocab(self, split: str) -> AnswerVocab:
+        """The vocabulary that labels ``split``: :attr:`vocab`, then, with a model's answers
+        (:meth:`use_answers`), the split's answers outside them, said in one line the first time:
+        the loss leaves those questions out and accuracy counts them wrong."""
+        if self._model_vocab is None:
+            return self.vocab
+        if split not in self._split_vocabs:
+            answers = [a for r in self.records(split) for a in r.answers]
+            vocab = self._model_vocab.extended(answers)
+            unknown = vocab.answers[len(self._model_vocab):]
+            if unknown:
+                outside = sum(a not in self._model_vocab for a in answers)
+                _warn(
+                    f"{outside} of the {len(answers)} {split} questions have an answer outside the model's "
+                    f"{len(self._model_vocab)} ({quoted(unknown)}): counted wrong"
+                )
+            self._split_vocabs[split] = vocab
+        return self._split_vocabs[split]
 
     @property
     def train_questions(self) -> list[str]:
@@ -113,7 +155,7 @@ class VQADataModule(L.LightningDataModule):
     def dataset(self, split: str) -> GroupedVQADataset:
         if self.image_size is None:
             raise ValueError("image_size is not set: give data.image_size or let the model set it")
-        return GroupedVQADataset(self.records(split), self.vocab, self.image_size)
+        return GroupedVQADataset(self.records(split), self.split_vocab(split), self.image_size)
 
     def _eval_sampler(self, split: str, dataset: GroupedVQADataset) -> Sampler | None:
         """Under a multi-process trainer, each rank's share of an evaluation split: every image

@@ -47,3 +47,21 @@ class Head(nn.Module):
             text_mask: ``(Bq, Lt)`` True for real (non-padding) question tokens.
         """
         raise NotImplementedError
+
+    def extend_answers(self, count: int) -> None:
+        """Score ``count`` more answers, after the others: new output rows, initialised as the head
+        initialises its rows; the old rows keep their weights exactly."""
+        raise NotImplementedError
+
+
+def grow_rows(linear: nn.Linear, count: int) -> nn.Linear:
+    """``linear`` with ``count`` more output rows: its own rows copied exactly, the new ones
+    initialised as ``nn.Linear`` initialises them (on the same device, of the same dtype)."""
+    weight = linear.weight
+    grown = nn.Linear(linear.in_features, linear.out_features + count, bias=linear.bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        grown.weight[: linear.out_features] = weight
+        if linear.bias is not None:
+            grown.bias[: linear.out_features] = linear.bias
+    return grown.requires_grad_(weight.requires_grad)

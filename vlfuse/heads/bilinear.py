@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from vlfuse.heads.base import HEADS
+from vlfuse.heads.base import HEADS, grow_rows
 from vlfuse.heads.pooled import PooledConfig, PooledHead
 
 PRODUCT_FEATURES = 32
@@ -84,3 +84,7 @@ class BilinearHead(PooledHead):
         h = drop(norm(self.pool(fused, text_mask)))  # (Bq, dim)
         z = nn.functional.gelu(self.products(h) + self.linear_features(h))  # (Bq, PRODUCT_FEATURES)
         return linear(h) + self.product_scores(z)
+
+    def extend_answers(self, count: int) -> None:
+        super().extend_answers(count)
+        self.product_scores = grow_rows(self.product_scores, count)

@@ -45,3 +45,9 @@ class ExistenceHead(Head):
     def forward(self, fused: torch.Tensor, text_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``(Bq,)`` evidence -> ``(Bq, 2)`` answer scores."""
         return torch.stack([torch.zeros_like(fused), fused + self.bias], dim=-1)
+
+    def extend_answers(self, count: int) -> None:
+        raise ValueError(
+            "head 'existence' scores exactly two answers (is the set empty or not): it cannot add answers; "
+            "fine-tune on data with its two answers"
+        )

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from vlfuse.heads.base import HEADS, Head, HeadConfig
+from vlfuse.heads.base import HEADS, Head, HeadConfig, grow_rows
 
 
 def masked_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -56,3 +56,6 @@ class PooledHead(Head):
 
     def forward(self, fused: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.pool(fused, text_mask))
+
+    def extend_answers(self, count: int) -> None:
+        self.classifier[-1] = grow_rows(self.classifier[-1], count)
