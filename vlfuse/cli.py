@@ -18,6 +18,7 @@ import textwrap
 import vlfuse
 from vlfuse.commands import LIGHTNING, SUBCOMMANDS
 from vlfuse.errors import error_line, one_line
+from vlfuse.runtime import prefer_passive_waits
 
 
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError, argparse.ArgumentError)
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] not in SUBCOMMANDS:
         print(f"vlfuse: error: {unknown_subcommand(args[0])}", file=sys.stderr)
         return 2
+    prefer_passive_waits()  # before a subcommand imports torch, which reads it
     try:
         return run_subcommand(args, argv)
     except Exception as err:

@@ -7,11 +7,18 @@ thread that waits for a busy core stalls every other one at each synchronisation
 measured ``Predictor.predict`` 33x slower with 2 threads than with 1 on a loaded 2-core machine,
 and ``scripts/bench_predict.py --threads 1 2 --busy 2`` measures it again (docs/results.md#threads).
 One thread loses little on an idle machine and never collapses on a loaded one, so it is the default.
+
+``vlfuse fit`` keeps torch's thread count (its runs are then the same on every machine with that many
+cores) and instead makes OpenMP's threads sleep as soon as they wait (:func:`prefer_passive_waits`):
+``scripts/bench_threads_under_load.py`` measured ``fit`` 4.1x slower than its best beside two other
+trainings with OpenMP's default waits, 1.02x with passive ones, at 1.09x on an idle machine
+(docs/results.md#threads-under-load).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -19,6 +26,17 @@ DEFAULT_DEVICE = "cpu"
 """The default of ``--device`` in ``vlfuse predict``, ``analyze`` and ``prune``, as of ``Predictor``."""
 DEFAULT_THREADS = 1
 """The default of ``--threads`` and of ``Predictor(threads=...)``: see the module docstring."""
+WAIT_POLICY = "OMP_WAIT_POLICY"
+
+
+def prefer_passive_waits() -> None:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy: OpenMP threads that wait
+    for the others sleep at once instead of spinning on a core, which another process may need.
+
+    OpenMP reads it when torch is imported, so this must run first (:func:`vlfuse.cli.main` calls it
+    before any subcommand imports torch); it changes no result, only how waiting threads wait.
+    """
+    os.environ.setdefault(WAIT_POLICY, "PASSIVE")
 
 
 def add_device_argument(parser: argparse.ArgumentParser, note: str = "") -> None:

@@ -129,7 +129,9 @@ class VLFuseCLI(LightningCLI):
         parser.add_argument(
             "--threads", type=Optional[int], default=None,
             help="torch CPU threads (default: torch's choice, one per core; the thread count changes the "
-            "order of floating-point sums, so compare runs at the same count)",
+            "order of floating-point sums, so compare runs at the same count). Waiting threads sleep "
+            "(OMP_WAIT_POLICY=PASSIVE unless the environment sets it), so other jobs on the cores slow a run "
+            "down without stalling it",
         )
         parser.add_argument(
             "--run_dir", type=Optional[str], default=None,
