@@ -154,8 +154,13 @@ def check_replaceable(target: Path) -> None:
 
 def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"size", "sha256"}}`` of every file below ``folder`` (``config.json`` aside)."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != CONFIG_FILE)
-    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256(p)} for p in files}
+    return {name: {"size": (folder / name).stat().st_size, "sha256": sha256(folder / name)} for name in files_below(folder)}
+
+
+def files_below(folder: Path) -> list[str]:
+    """The relative paths of every file below ``folder`` but ``config.json``, sorted."""
+    names = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    return sorted(name for name in names if name != CONFIG_FILE)
 
 
 def sha256(path: Path) -> str:
@@ -303,7 +308,7 @@ def verify_files(directory: Path, meta: dict) -> None:
                 f"{path} does not match {config}: it is not the file that was saved with the model "
                 "(an interrupted copy, or changed since); save or copy the model again"
             )
-    extra = sorted(name for name in file_digests(directory) if name.startswith(f"{TOKENIZER_DIR}/") and name not in listed)
+    extra = [name for name in files_below(directory) if name.startswith(f"{TOKENIZER_DIR}/") and name not in listed]
     if extra:
         raise ValueError(f"{directory / extra[0]} was not saved with the model ({config} does not list it): remove it")
 
