@@ -13,33 +13,24 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from test_caption_cli import images  # noqa: F401 (a fixture: three random 30x30 PNGs)
 from test_caption_model import tiny_caption_model
+from test_predict import QUESTIONS, model_dir  # noqa: F401 (model_dir: a fixture)
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.inference import Captioner, Predictor
 from vlfuse.inference import jsonl
 from vlfuse.inference.jsonl import InputRow, JsonlOutput, partial_path, write_rows
 from vlfuse.model import VLFuseModel
 
-from conftest import REPO, tiny_config
+from conftest import REPO
 
-ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
-QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a blue shape?", "what shape is it?"]
 KILL_ROWS = 3000
 """Rows of the run that is killed: at batch size 1 many seconds of work, killed after its first rows."""
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = VLFuseModel.from_config(tiny_config(fuser={"gated": False}), ANSWERS, QUESTIONS)
-    return model.save_pretrained(tmp_path_factory.mktemp("model") / "tiny")
 
 
 OVERFLOW = 3e38
@@ -67,17 +58,6 @@ def nan_caption_dir(tmp_path_factory):
     with torch.no_grad():
         model.decoder.norm.weight.fill_(OVERFLOW)
     return model.save_pretrained(tmp_path_factory.mktemp("nan_caption") / "model")
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    paths = []
-    for i in range(3):
-        paths.append(folder / f"{i}.png")
-        Image.fromarray(rng.integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(paths[-1])
-    return paths
 
 
 def write_pairs(path: Path, images: list[Path], count: int, bad: bool = True) -> Path:

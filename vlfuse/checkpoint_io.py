@@ -28,9 +28,9 @@ TEMP_INFIX = ".tmp-"
 so that ``--ckpt_path last`` never picks up a half-written one."""
 
 
-def temp_path(target: Path, pid: int | None = None) -> Path:
-    """Where the process ``pid`` (default: this one) writes ``target`` before renaming it: ``.<name>.tmp-<pid>``."""
-    return target.with_name(f".{target.name}{TEMP_INFIX}{os.getpid() if pid is None else pid}")
+def temp_path(target: Path) -> Path:
+    """Where this process writes ``target`` before renaming it: ``.<name>.tmp-<pid>``."""
+    return target.with_name(f".{target.name}{TEMP_INFIX}{os.getpid()}")
 
 
 def save_atomically(checkpoint: dict[str, Any], target: Path) -> None:
