@@ -58,6 +58,11 @@ SUBCOMMANDS = {
         "Score the attention heads of a saved model, remove the lowest-scored ones for real, optionally "
         "fine-tune, and save the smaller model.",
     ),
+    "export": Subcommand(
+        "vlfuse.commands.export",
+        "Write a saved answering model as an ONNX folder (model.onnx, tokenizer, answers) that onnxruntime runs "
+        "without vlfuse's model code, optionally quantized to int8; checked against PyTorch before it is written.",
+    ),
 }
 LIGHTNING = ("fit", "validate", "test")
 """The subcommands whose ``main`` takes the whole command line (Lightning parses the subcommand itself)."""

@@ -63,6 +63,8 @@ def encode_distinct(text_encoder: "TextEncoder", input_ids: torch.Tensor, attent
     each use's gradient in a fixed order: ``states[inverse]`` adds them with parallel atomic adds
     on CPU (2+ threads), so the same step gave different text-encoder gradients from run to run.
     """
+    if torch.compiler.is_compiling():  # the number of distinct questions is data: export and compile run every row
+        return text_encoder(input_ids, attention_mask)
     tokens = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)  # (Bq, 2 * Lt)
     distinct, inverse = torch.unique(tokens, dim=0, return_inverse=True)
     if len(distinct) == len(tokens):

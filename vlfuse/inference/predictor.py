@@ -23,6 +23,7 @@ from tqdm import tqdm
 from vlfuse.captioning.model import is_caption_model
 from vlfuse.data import ImageLoadError, ImageSource
 from vlfuse.inference.attention_maps import QuestionAttentionWriter
+from vlfuse.inference.onnx_model import OnnxAnswerModel, is_onnx_export
 from vlfuse.model import ImageContext, VLFuseModel
 from vlfuse.processor import image_key
 from vlfuse.inference.runner import ModelRunner
@@ -112,10 +113,15 @@ class Predictor(ModelRunner):
         cache_images: bool = True,
         threads: int | None = DEFAULT_THREADS,
     ) -> "Predictor":
-        """Load a model saved by :meth:`VLFuseModel.save_pretrained` (its errors name what is wrong)."""
+        """Load a model saved by :meth:`VLFuseModel.save_pretrained`, or an ONNX export of one
+        (``vlfuse export``, run by :class:`~vlfuse.inference.onnx_model.OnnxAnswerModel` with
+        ``threads`` onnxruntime threads); the errors name what is wrong."""
         if is_caption_model(directory):
             raise ValueError(f"{directory} is a caption model: it describes images (vlfuse.Captioner, or vlfuse caption)")
-        model = VLFuseModel.from_pretrained(directory, map_location=device)
+        if is_onnx_export(directory):
+            model = OnnxAnswerModel.from_pretrained(directory, device=device, threads=threads)
+        else:
+            model = VLFuseModel.from_pretrained(directory, map_location=device)
         return cls(model, device=device, batch_size=batch_size, cache_images=cache_images, threads=threads)
 
     @property
