@@ -17,13 +17,15 @@ atomically and never replaces anything: the target must not exist (or be an empt
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -181,8 +183,25 @@ def write_graph(model: VLFuseModel, path: Path, quantize: str | None) -> None:
     if quantize:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
-        quantize_dynamic(exported, path, weight_type=QuantType.QInt8)
+        with root_logger_silenced():
+            quantize_dynamic(exported, path, weight_type=QuantType.QInt8)
         exported.unlink()
+
+
+@contextmanager
+def root_logger_silenced() -> Iterator[None]:
+    """Drop what is logged through the root logger meanwhile, without giving it a handler for good.
+
+    onnxruntime's quantizer advises pre-processing (``quant_pre_process``) with ``logging.warning``,
+    which would also attach a stderr handler to the root logger for the rest of the process. That
+    pre-processing is left out: its symbolic shape inference fails on these graphs.
+    """
+    root, quiet = logging.getLogger(), logging.NullHandler()
+    root.addHandler(quiet)
+    try:
+        yield
+    finally:
+        root.removeHandler(quiet)
 
 
 def example_inputs(model: VLFuseModel) -> ModelInputs:
