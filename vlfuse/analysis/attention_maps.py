@@ -85,7 +85,28 @@ def attention_figure(
     weights = torch.as_tensor(weights, dtype=torch.float32)
     labels = [f"head {h}" for h in (range(len(weights)) if head_ids is None else head_ids)] + ["mean of heads"]
     panels = torch.cat([weights, weights.mean(0, keepdim=True)])  # (H + 1, Li)
-    maps, prefix_mass = split_prefix(panels, grid, num_prefix_tokens)  # (H + 1, rows, cols), (H + 1,)
+    return overlay_figure(
+        image, panels, labels, grid, num_prefix_tokens, title=title, columns=columns,
+        bar_label="attention to the patch (one scale for all panels)",
+    )
+
+
+def overlay_figure(
+    image: np.ndarray,
+    panels: torch.Tensor,
+    labels: Sequence[str],
+    grid: tuple[int, int],
+    num_prefix_tokens: int,
+    *,
+    title: str = "",
+    columns: int = 6,
+    bar_label: str,
+) -> Figure:
+    """One panel per row of ``panels`` ``(N, prefix + rows * cols)``: its patch map over ``image``
+    (:func:`heat_overlay`) titled by its label and its share on the prefix tokens, one colour scale
+    for all panels, shown by the colour bar (labelled ``bar_label``)."""
+    panels = torch.as_tensor(panels, dtype=torch.float32)
+    maps, prefix_mass = split_prefix(panels, grid, num_prefix_tokens)  # (N, rows, cols), (N,)
     cols = min(columns, len(labels))
     rows = math.ceil(len(labels) / cols)
     figure = new_figure(1.8 * cols + 0.8, 1.9 * rows + 0.8)
@@ -101,7 +122,7 @@ def attention_figure(
         axes.append(ax)
     scale = ScalarMappable(Normalize(0.0, vmax), matplotlib.colormaps[HEAT_COLOURS])
     bar = figure.colorbar(scale, ax=axes, fraction=0.02, pad=0.02)
-    bar.set_label("attention to the patch (one scale for all panels)", fontsize=7)
+    bar.set_label(bar_label, fontsize=7)
     bar.ax.tick_params(labelsize=6)
     figure.suptitle(title, fontsize=8)
     return figure

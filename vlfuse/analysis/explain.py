@@ -1,0 +1,363 @@
+"""Why a model gave an answer: maps over the image of where the question looked, four ways.
+
+Every method works through the model's public stages (:meth:`~vlfuse.model.VLFuseModel.encode_images`,
+``encode_questions``, ``fuse`` with ``weights_from``, ``read_out``); none patches a layer:
+
+- :class:`RawAttention` (``attention``): one fusion layer's cross-attention weights, per head.
+- :class:`AttentionGradient` (``gradcam``): those weights times the positive part of the gradient
+  of the chosen answer's logit with respect to them, per head (the Grad-CAM of LAVIS's
+  ``compute_gradcam``, Chefer et al. 2021's ``A * relu(dy/dA)``).
+- :class:`Rollout` (``rollout``): attention rolled out across every fusion layer (Abnar and
+  Zuidema 2020), each layer mixed half and half with the identity (the residual stream).
+- :class:`InputGradient` (``input_gradient``): ``|dy/dpixels|`` pooled onto the patch grid, a
+  baseline that ignores attention (one map for the question: no heads, no tokens).
+
+The gradient with respect to the weights is read without hooks. A layer's output for question
+token ``q`` and head ``h`` is ``o[h, q] = sum_k A[h, q, k] V[h, k]`` with the values ``V`` in the
+image context, so ``dy/dV[h] = A[h]^T g[h]`` where ``g[h, q] = dy/do[h, q]``. The real tokens'
+attention rows are linearly independent whenever tokens attend differently, so ``g`` is
+``pinv(A[h]^T) dy/dV[h]`` and ``dy/dA[h, q, k] = g[h, q] . V[h, k]``, exactly; tokens whose rows are
+identical share their gradient evenly (the minimum-norm solution).
+
+:func:`explain` returns an :class:`Explanation`: maps over the image tokens (prefix tokens, then
+the patch grid) per head and per question token, and one map for the whole question.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vlfuse.analysis.attention_maps import overlay_figure, split_prefix
+from vlfuse.layers import ProjectedContext
+from vlfuse.model import ImageContext, VLFuseModel
+
+RESIDUAL_SHARE = 0.5
+"""In rollout, the share of a token's state that a layer keeps (the identity of ``0.5 A + 0.5 I``)."""
+
+
+@dataclass
+class Explanation:
+    """The maps of one method for one question about one image.
+
+    Attributes:
+        method: the method's name (a key of :data:`METHODS`).
+        answer: the answer explained (the predicted one unless one was asked for).
+        answer_index: its index in the model's answers.
+        probability: the model's probability of that answer.
+        tokens: the question's real tokens, as the tokenizer wrote them.
+        token_maps: ``(heads, tokens, Li)`` a map per head and per question token over the image
+            tokens (prefix tokens first, then the patch grid row by row), or ``None`` for a method
+            without tokens (``input_gradient``). One "head" for the methods that mix heads.
+        question_map: ``(Li,)`` the whole question's map: non-negative, summing to 1 (the mean
+            over heads and tokens, normalised; uniform when the method gives nothing).
+        grid: ``(rows, cols)`` of the patch grid.
+        num_prefix_tokens: image tokens before the grid (their map values have no place).
+        heads: labels of the ``heads`` rows (original head ids, or the name of the mix).
+        layer: the fusion layer read, or ``None`` for methods over every layer or none.
+    """
+
+    method: str
+    answer: str
+    answer_index: int
+    probability: float
+    tokens: list[str]
+    token_maps: np.ndarray | None
+    question_map: np.ndarray
+    grid: tuple[int, int]
+    num_prefix_tokens: int
+    heads: list[str]
+    layer: int | None
+
+    def patch_map(self) -> np.ndarray:
+        """The whole question's map on the patch grid ``(rows, cols)``."""
+        maps, _ = split_prefix(torch.as_tensor(self.question_map)[None], self.grid, self.num_prefix_tokens)
+        return maps[0].numpy()
+
+    def token_patch_maps(self) -> np.ndarray | None:
+        """``(heads, tokens, rows, cols)``: :attr:`token_maps` on the patch grid (``None`` without tokens)."""
+        if self.token_maps is None:
+            return None
+        heads, tokens, length = self.token_maps.shape
+        flat = torch.as_tensor(self.token_maps).reshape(heads * tokens, length)
+        maps, _ = split_prefix(flat, self.grid, self.num_prefix_tokens)
+        return maps.reshape(heads, tokens, *self.grid).numpy()  # from (heads * tokens, rows, cols)
+
+
+@dataclass
+class Prepared:
+    """One question about one image, ready for the methods.
+
+    Attributes:
+        pixels: ``(1, 3, S, S)`` the image as the model sees it.
+        input_ids, text_mask: ``(1, Lt)`` the tokenized question.
+        answer_index: the answer to explain, or ``None`` for the predicted one.
+    """
+
+    pixels: torch.Tensor
+    input_ids: torch.Tensor
+    text_mask: torch.Tensor
+    answer_index: int | None
+
+
+@dataclass
+class MethodResult:
+    """What a method computes: token maps ``(heads, T, Li)`` or ``None``, the question map ``(Li,)``
+    before normalisation, the logits ``(num_answers,)``, and the answer explained."""
+
+    token_maps: torch.Tensor | None
+    question_map: torch.Tensor
+    logits: torch.Tensor
+    answer_index: int
+
+
+class ExplanationMethod:
+    """One way of explaining an answer (see :data:`METHODS`); :meth:`run` computes its maps.
+
+    Class attributes:
+        name: its name on the command line.
+        per_layer: it reads one fusion layer (``layer``), not all of them.
+    """
+
+    name: ClassVar[str]
+    per_layer: ClassVar[bool] = False
+
+    def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        raise NotImplementedError
+
+    @staticmethod
+    def fused_logits(
+        model: VLFuseModel, inputs: Prepared, context: ImageContext, layers: Sequence[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits ``(num_answers,)`` and the weights ``{layer: (H, T, Li)}`` of the real tokens."""
+        mask = inputs.text_mask
+        text = model.encode_questions(inputs.input_ids, mask.long())
+        fused = model.fuse(text, mask, context, weights_from=layers)
+        logits = model.read_out(fused.output, mask)[0]
+        return logits, {layer: weights[0][:, mask[0]] for layer, weights in fused.attentions.items()}
+
+
+def _chosen(logits: torch.Tensor, inputs: Prepared) -> int:
+    return int(logits.argmax()) if inputs.answer_index is None else inputs.answer_index
+
+
+class RawAttention(ExplanationMethod):
+    """The cross-attention weights of one fusion layer, per head and per question token."""
+
+    name = "attention"
+    per_layer = True
+
+    def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        with torch.no_grad():
+            logits, weights = self.fused_logits(model, inputs, model.encode_images(inputs.pixels), [layer])
+        maps = weights[layer]  # (H, T, Li)
+        return MethodResult(maps, maps.mean((0, 1)), logits, _chosen(logits, inputs))
+
+
+class AttentionGradient(ExplanationMethod):
+    """Grad-CAM over cross-attention: ``A * relu(dy/dA)`` per head and token, ``y`` the answer's logit.
+
+    The question's map is the mean over heads and tokens (LAVIS averages over both). The gradient
+    is read through the layer's values (see the module docstring), which needs a fuser whose image
+    context holds each attention layer's keys and values (the fusion stack).
+    """
+
+    name = "gradcam"
+    per_layer = True
+
+    def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        with torch.no_grad():
+            features = model.encode_images(inputs.pixels).features
+        if not (isinstance(features, list) and len(features) == model.num_fusion_layers
+                and all(isinstance(kv, ProjectedContext) for kv in features)):
+            raise ValueError(
+                f"method 'gradcam' reads each attention layer's values from the image context; fuser "
+                f"{model.config.fuser.type!r} does not keep them (use 'attention', 'rollout' or 'input_gradient')"
+            )
+        value = features[layer].value.detach().requires_grad_()  # (1, H, Li, hd)
+        features = [dataclasses.replace(kv, value=value) if i == layer else kv for i, kv in enumerate(features)]
+        with torch.enable_grad():
+            logits, weights = self.fused_logits(model, inputs, ImageContext(features), [layer])
+            chosen = _chosen(logits, inputs)
+            [value_grad] = torch.autograd.grad(logits[chosen], value)
+        attention = weights[layer].detach()  # (H, T, Li)
+        gradient = weights_gradient(attention, value[0].detach(), value_grad[0])
+        maps = attention * gradient.clamp_min(0)
+        return MethodResult(maps, maps.mean((0, 1)), logits.detach(), chosen)
+
+
+def weights_gradient(attention: torch.Tensor, value: torch.Tensor, value_grad: torch.Tensor) -> torch.Tensor:
+    """``dy/dA`` ``(H, T, Li)`` from the weights ``A`` ``(H, T, Li)``, the values ``V`` ``(H, Li, hd)``
+    and ``dy/dV`` ``(H, Li, hd)`` of a layer whose output is ``A V``: ``g = pinv(A^T) dy/dV``
+    ``(H, T, hd)``, then ``g V^T``. Computed in float64."""
+    a, v, u = attention.double(), value.double(), value_grad.double()
+    read = torch.linalg.pinv(a.transpose(1, 2)) @ u  # (H, T, hd): dy/d(each head's read of each token)
+    return (read @ v.transpose(1, 2)).to(attention.dtype)  # (H, T, Li)
+
+
+class Rollout(ExplanationMethod):
+    """Attention rolled out across the fusion layers (Abnar and Zuidema 2020), heads averaged.
+
+    The image tokens do not change from layer to layer; a question token keeps its state
+    (the residual) and reads the image. With each layer's rows mixed as ``0.5 A + 0.5 I`` over
+    [question tokens, image tokens], the product of the layers gives each token the image share
+    ``r_l = 0.5 r_(l-1) + 0.5 mean_h A_l`` (``r_0 = 0``), normalised here to sum to 1. One layer's
+    rollout is its head-mean attention. Needs a fuser without text self-attention (whose weights the
+    model does not return).
+    """
+
+    name = "rollout"
+
+    def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        if getattr(model.config.fuser, "self_attention", False):
+            raise ValueError("method 'rollout' needs a fuser without text self-attention: its weights are not returned")
+        layers = list(range(model.num_fusion_layers))
+        with torch.no_grad():
+            logits, weights = self.fused_logits(model, inputs, model.encode_images(inputs.pixels), layers)
+        rolled = torch.zeros_like(weights[0][0])  # (T, Li)
+        for i in layers:
+            rolled = RESIDUAL_SHARE * rolled + (1 - RESIDUAL_SHARE) * weights[i].mean(0)
+        rolled = rolled / rolled.sum(-1, keepdim=True).clamp_min(1e-12)
+        return MethodResult(rolled[None], rolled.mean(0), logits, _chosen(logits, inputs))
+
+
+class InputGradient(ExplanationMethod):
+    """``|dy/dpixels|`` summed over colour channels and averaged over each patch (Simonyan et al.
+    2014): where a small change of the image changes the answer's logit most. No heads, no tokens."""
+
+    name = "input_gradient"
+
+    def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        pixels = inputs.pixels.detach().requires_grad_()
+        with torch.enable_grad():
+            logits, _ = self.fused_logits(model, inputs, model.encode_images(pixels), [])
+            chosen = _chosen(logits, inputs)
+            [grad] = torch.autograd.grad(logits[chosen], pixels)
+        saliency = grad[0].abs().sum(0)[None, None]  # (1, 1, S, S)
+        patches = F.adaptive_avg_pool2d(saliency, tuple(model.image_encoder.grid_size)).flatten()  # (rows * cols,)
+        prefix = patches.new_zeros(model.attention_prefix_tokens)
+        return MethodResult(None, torch.cat([prefix, patches]), logits.detach(), chosen)
+
+
+METHODS: dict[str, type[ExplanationMethod]] = {
+    method.name: method for method in (RawAttention, AttentionGradient, Rollout, InputGradient)
+}
+"""The explanation methods by name."""
+
+
+def answer_index(model: VLFuseModel, answer: str | None) -> int | None:
+    """The index of ``answer`` among the model's answers (``None`` stays ``None``: the predicted one)."""
+    if answer is None:
+        return None
+    if answer not in model.answers:
+        shown = ", ".join(repr(a) for a in model.answers[:20]) + (", ..." if len(model.answers) > 20 else "")
+        raise ValueError(f"answer {answer!r} is not one of the model's {len(model.answers)} answers: {shown}")
+    return model.answers.index(answer)
+
+
+def explain(
+    model: VLFuseModel,
+    image,
+    question: str,
+    method: str = "gradcam",
+    *,
+    answer: str | None = None,
+    layer: int | None = None,
+) -> Explanation:
+    """Explain the model's answer to ``question`` about ``image`` with ``method`` (see :data:`METHODS`).
+
+    Args:
+        model: an answering model with cross-attention heads (in eval mode).
+        image: a path, PIL image, array or tensor (anything :meth:`VLFuseProcessor.image` reads).
+        question: the question.
+        method: a key of :data:`METHODS`.
+        answer: the answer to explain (one of ``model.answers``); default the predicted one.
+        layer: the fusion layer of ``attention`` and ``gradcam`` (default the last); negative counts from the end.
+    """
+    return explain_pixels(model, model.processor.image(image)[None], question, method, answer=answer, layer=layer)
+
+
+def explain_pixels(
+    model: VLFuseModel,
+    pixels: torch.Tensor,
+    question: str,
+    method: str = "gradcam",
+    *,
+    answer: str | None = None,
+    layer: int | None = None,
+) -> Explanation:
+    """:func:`explain` of an image already preprocessed: ``pixels`` ``(1, 3, S, S)`` in [0, 1]."""
+    if method not in METHODS:
+        raise ValueError(f"unknown explanation method {method!r}: choose from {', '.join(METHODS)}")
+    model.require_fusion_heads("explain")
+    layers = model.num_fusion_layers
+    chosen_layer = layers - 1 if layer is None else layer
+    if not -layers <= chosen_layer < layers:
+        raise ValueError(f"layer {layer} out of range: the model has fusion layers 0..{layers - 1}")
+    chosen_layer %= layers
+    parameter = next(model.parameters())
+    tokens = model.processor.tokenize([question])
+    inputs = Prepared(
+        pixels.to(parameter.device, parameter.dtype),
+        tokens["input_ids"].to(parameter.device),
+        tokens["attention_mask"].bool().to(parameter.device),
+        answer_index(model, answer),
+    )
+    runner = METHODS[method]()
+    result = runner.run(model, inputs, chosen_layer)
+    words = model.tokenizer.convert_ids_to_tokens(inputs.input_ids[0][inputs.text_mask[0]].tolist())
+    total = result.question_map.clamp_min(0)
+    length = total.numel()
+    question_map = total / total.sum() if float(total.sum()) > 0 else torch.full_like(total, 1 / length)
+    multi_head = result.token_maps is not None and runner.per_layer
+    heads = [f"head {h}" for h in model.fusion_head_ids[chosen_layer]] if multi_head else [f"{method} (heads mixed)"]
+    return Explanation(
+        method=method,
+        answer=model.answers[result.answer_index],
+        answer_index=result.answer_index,
+        probability=float(result.logits.softmax(-1)[result.answer_index]),
+        tokens=words,
+        token_maps=None if result.token_maps is None else result.token_maps.float().cpu().numpy(),
+        question_map=question_map.float().cpu().numpy(),
+        grid=tuple(model.image_encoder.grid_size),
+        num_prefix_tokens=model.attention_prefix_tokens,
+        heads=heads,
+        layer=chosen_layer if runner.per_layer else None,
+    )
+
+
+def draw_explanation(explanation: Explanation, pixels: torch.Tensor, directory: str | Path, stem: str) -> list[Path]:
+    """Draw ``explanation`` over ``pixels`` ``(3, S, S)``: ``STEM_question.png`` (each head's map of
+    the question and the whole question's) and ``STEM_words.png`` (each word's map, heads averaged,
+    and the whole question's), one colour scale per figure. Returns the paths written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    image = pixels.permute(1, 2, 0).float().cpu().numpy()  # (S, S, 3)
+    e = explanation
+    where = f"layer {e.layer}" if e.layer is not None else "all layers"
+    title = f"{e.method}, {where}: -> {e.answer} ({e.probability:.2f})"
+    question = torch.as_tensor(e.question_map)[None]  # (1, Li)
+    figures = {"question": (question, ["whole question"])}
+    if e.token_maps is not None:
+        maps = torch.as_tensor(e.token_maps)  # (heads, T, Li)
+        scale = question.sum() / maps.mean((0, 1)).sum().clamp_min(1e-12)  # the question map's units
+        if len(e.heads) > 1:
+            figures["question"] = (torch.cat([maps.mean(1) * scale, question]), e.heads + ["whole question"])
+        words = [f"word {t}: {token!r}" for t, token in enumerate(e.tokens)]
+        figures["words"] = (torch.cat([maps.mean(0) * scale, question]), words + ["whole question"])
+    paths = []
+    for name, (panels, labels) in figures.items():
+        figure = overlay_figure(
+            image, panels, labels, e.grid, e.num_prefix_tokens, title=title,
+            bar_label=f"{e.method} map (one scale for all panels)",
+        )
+        path = directory / f"{stem}_{name}.png"
+        figure.savefig(path, dpi=80)
+        paths.append(path)
+    return paths
