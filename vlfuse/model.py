@@ -15,6 +15,7 @@ from vlfuse.encoders import (
     ImageEncoder, ImageEncoderConfig, TextEncoder, TextEncoderConfig, build_word_tokenizer, load_saved_tokenizer, load_tokenizer,
     saved_text_config, scratch_config,
 )
+from vlfuse.encoders.adapters import merged
 from vlfuse.errors import MOVED_OPTIONS
 from vlfuse.fusers import FUSERS, FuserConfig
 from vlfuse.heads import HEADS, HeadConfig
@@ -409,6 +410,9 @@ class VLFuseModel(nn.Module):
         """Write weights (safetensors), config and answers (JSON) and the tokenizer to ``directory``,
         atomically (see :func:`vlfuse.model_io.write_model_folder`): a kill leaves the old folder or
         the new one. A folder that vlfuse did not write is not replaced (``ValueError``)."""
+        plain = merged(self)  # each encoder's adapter folded into its weights: the folder needs no peft
+        if plain is not self:
+            return plain.save_pretrained(directory)
         meta = {
             "format_version": model_io.FORMAT_VERSION,
             "model_type": model_io.MODEL_TYPE,

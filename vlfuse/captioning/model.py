@@ -11,6 +11,7 @@ from torch import nn
 
 from vlfuse import model_io
 from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, build_word_tokenizer, load_saved_tokenizer
+from vlfuse.encoders.adapters import merged
 from vlfuse.parts import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, check_fields, check_range
 from vlfuse.heads.caption_decoder import CaptionDecoder, DecoderCache, DecoderOutput
 from vlfuse.model import ImageContext
@@ -176,6 +177,9 @@ class CaptionModel(nn.Module):
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write weights (safetensors), config (JSON) and the tokenizer to ``directory``, atomically
         (as :meth:`VLFuseModel.save_pretrained <vlfuse.model.VLFuseModel.save_pretrained>`)."""
+        plain = merged(self)  # each encoder's adapter folded into its weights: the folder needs no peft
+        if plain is not self:
+            return plain.save_pretrained(directory)
         meta = {"format_version": FORMAT_VERSION, "model_type": MODEL_TYPE, "config": asdict(self.config)}
 
         def write_files(folder: Path) -> None:

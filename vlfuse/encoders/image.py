@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import timm
 import torch
-from torch import nn
 
+from vlfuse.encoders.adapters import AdaptableEncoder, AdapterConfig, parse_adapter
 from vlfuse.encoders.cache import FeatureCache, tensor_key
 from vlfuse.encoders.hub import use_cache_if_hub_unreachable, weights_not_fetched
 from vlfuse.errors import first_line
@@ -36,6 +36,9 @@ class ImageEncoderConfig:
             memory while the model trains (see :class:`~vlfuse.encoders.cache.FeatureCache`), so
             that it runs once per image (up to 2 GiB of features, see
             :data:`~vlfuse.encoders.cache.DEFAULT_MAX_BYTES`).
+        adapter: fine-tune the pretrained weights through an adapter instead of all of them (as
+            :attr:`TextEncoderConfig.adapter <vlfuse.encoders.text.TextEncoderConfig.adapter>`;
+            a ViT's ``target_modules`` are e.g. ``[qkv, proj]``).
     """
 
     name: str = "vit_tiny_patch16_224"
@@ -50,9 +53,15 @@ class ImageEncoderConfig:
     std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     freeze: bool = False
     cache_features: bool = True
+    adapter: dict[str, Any] | AdapterConfig | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, "image")
+        self.adapter = parse_adapter(self.adapter, "image")
+        if self.adapter is not None and not (self.pretrained or self.weights_file):
+            raise ValueError("image.adapter adapts pretrained weights: set image.pretrained or image.weights_file")
+        if self.adapter is not None and self.freeze:
+            raise ValueError("image.adapter trains the encoder through its adapter, image.freeze keeps it fixed: set one of them")
         check_range("image.image_size", self.image_size, 1, MAX_IMAGE_SIDE)
         check_range("image.patch_size", self.patch_size, 1, self.image_size)
         check_range("image.width", self.width, 1, MAX_WIDTH)
@@ -65,14 +74,18 @@ class ImageEncoderConfig:
             raise ValueError(f"image.std must be positive, got {self.std}")
 
 
-class ImageEncoder(nn.Module):
+class ImageEncoder(AdaptableEncoder):
     """Wraps a timm ViT: normalises [0, 1] pixels and returns all tokens (prefix tokens first).
 
     Args:
         config: which model to build and how.
         load_weights: load pretrained weights when the config asks for them; ``False`` when the
             weights will come from a saved vlfuse model anyway.
+
+    With ``config.adapter``, :attr:`vit` is the ``peft`` model wrapping the timm model.
     """
+
+    adapted = "vit"
 
     def __init__(self, config: ImageEncoderConfig, load_weights: bool = True) -> None:
         super().__init__()
@@ -108,6 +121,7 @@ class ImageEncoder(nn.Module):
             raise ValueError(f"image encoder {config.name!r} is not a vision transformer with patch tokens: {first_line(err)}") from None
         if not hasattr(self.vit, "forward_features") or not hasattr(self.vit, "patch_embed"):
             raise ValueError(f"image encoder {config.name!r} is not a vision transformer with patch tokens")
+        self.add_adapter("image.adapter")
         self.register_buffer("mean", torch.tensor(config.mean).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(config.std).view(1, 3, 1, 1), persistent=False)
         if config.freeze:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
-from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
+from vlfuse.encoders.adapters import AdaptableEncoder, AdapterConfig, parse_adapter
 from vlfuse.encoders.cache import FeatureCache
 from vlfuse.encoders.hub import load_named
 from vlfuse.parts import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, check_fields, check_range
@@ -32,6 +33,10 @@ class TextEncoderConfig:
         freeze: keep the encoder's weights fixed during training (it then runs in eval mode).
         cache_features: with ``freeze``, keep the encoder's output for each distinct question in
             memory while the model trains (see :class:`~vlfuse.encoders.cache.FeatureCache`).
+        adapter: fine-tune a pretrained encoder through an adapter instead of all its weights: a
+            mapping with ``type`` (one of :data:`~vlfuse.encoders.adapters.ADAPTERS`: ``lora``) and
+            its options, e.g. ``{type: lora, rank: 8}``; an
+            :class:`~vlfuse.encoders.adapters.AdapterConfig` once built. A saved model has it merged.
     """
 
     name: str | None = None
@@ -42,9 +47,15 @@ class TextEncoderConfig:
     max_length: int = 32
     freeze: bool = False
     cache_features: bool = True
+    adapter: dict[str, Any] | AdapterConfig | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, "text")
+        self.adapter = parse_adapter(self.adapter, "text")
+        if self.adapter is not None and self.name is None:
+            raise ValueError("text.adapter adapts a pretrained encoder: set text.name (a from-scratch encoder trains every weight)")
+        if self.adapter is not None and self.freeze:
+            raise ValueError("text.adapter trains the encoder through its adapter, text.freeze keeps it fixed: set one of them")
         check_range("text.width", self.width, 1, MAX_WIDTH)
         check_range("text.depth", self.depth, 0, MAX_LAYERS)
         check_range("text.num_heads", self.num_heads, 1, MAX_HEADS)
@@ -90,14 +101,18 @@ def scratch_config(config: TextEncoderConfig, vocab_size: int, pad_token_id: int
         raise ValueError(f"transformers does not know the text encoder type {config.model_type!r}") from None
 
 
-class TextEncoder(nn.Module):
+class TextEncoder(AdaptableEncoder):
     """Wraps a transformers encoder and returns its last hidden states.
 
     Args:
         config: which encoder to build.
         hf_config: the transformers config to build from (no weights loaded); when ``None``,
             ``config.name`` is loaded with its pretrained weights.
+
+    With ``config.adapter``, :attr:`model` is the ``peft`` model wrapping the transformers encoder.
     """
+
+    adapted = "model"
 
     def __init__(self, config: TextEncoderConfig, hf_config: PretrainedConfig | None = None) -> None:
         super().__init__()
@@ -110,6 +125,7 @@ class TextEncoder(nn.Module):
             raise ValueError("a from-scratch text encoder needs its transformers config")
         if getattr(self.model, "pooler", None) is not None:
             self.model.pooler = None  # unused: we pool after fusion
+        self.add_adapter("text.adapter")
         # Set the mode from the start (Lightning trains without calling train()): from_pretrained
         # returns the model in eval mode, which would fine-tune it without its dropout.
         if config.freeze:
