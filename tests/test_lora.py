@@ -12,7 +12,7 @@ from transformers import BertConfig, BertModel
 from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, TextEncoderConfig, build_word_tokenizer
 from vlfuse.model import VLFuseModel
 
-from conftest import COLOUR_ANSWERS, logits, tiny_config, toy_batch
+from conftest import COLOUR_ANSWERS, load_script, logits, tiny_config, toy_batch
 from test_optimizer import optimizer_of
 
 LORA = {"type": "lora", "rank": 4, "alpha": 8, "target_modules": ["query", "value"]}
@@ -153,3 +153,14 @@ def test_adapting_only_the_upper_layers_trains_only_theirs(pretrained, one_threa
     model, _ = lora_model(pretrained, text_adapter={**LORA, "layers": [1]})
     trainable = [n for n, p in model.text_encoder.named_parameters() if p.requires_grad]
     assert trainable and all(".layer.1." in n for n in trainable), trainable
+
+
+def test_the_benchmark_table_sets_each_seeds_wall_clock_against_full_fine_tuning():
+    bench = load_script("bench_lora")
+    assert bench.ALL_ROW.search("| exists shape | 10 | 90.0% | 80.0% |\n| all | 3000 | **99.69%** | **93.64%** |")["reworded"] == "93.64"
+    runs = [dict(variant="full", seed=0, seconds=600.0, test=0.99, reworded=0.94), dict(variant="lora", seed=0, seconds=300.0, test=0.98, reworded=0.95),
+            dict(variant="full", seed=1, seconds=500.0, test=0.97, reworded=0.92), dict(variant="lora", seed=1, seconds=400.0, test=0.99, reworded=0.90)]
+    table = bench.report(runs)
+    assert "| lora | 0 | 98.00% | 95.00% | 5 min 00 s | 0.50 |" in table
+    assert "| lora | 1 | 99.00% | 90.00% | 6 min 40 s | 0.80 |" in table
+    assert "| lora | 2 | 98.50% / 98.00% | 92.50% / 90.00% | 0.65 / 0.80 |" in table
