@@ -48,6 +48,11 @@ SUBCOMMANDS = {
         "Describe images with a saved caption model: one image (--image) or a JSONL file (--input); greedy or "
         "beam search; optionally draw each head's attention for every generated word.",
     ),
+    "explain": Subcommand(
+        "vlfuse.commands.explain",
+        "Show where a saved model looked to answer one question (--image, --question): raw attention, attention x "
+        "gradient (Grad-CAM), rollout and input-gradient maps over the image, for the whole question and each word.",
+    ),
     "analyze": Subcommand(
         "vlfuse.commands.analyze",
         "Report what each attention head of a saved model does: statistics, dead heads, roles, importance "

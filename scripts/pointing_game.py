@@ -1,0 +1,162 @@
+"""The pointing game: how often an explanation's maximum falls on the object the question is about.
+
+For each question whose answer depends on one object, each method of :mod:`vlfuse.analysis.explain`
+draws its map of the whole question; a hit is a maximum in a patch that holds the object's pixels.
+Reported per method and layer, per head (attention, gradcam), against three baselines: a random
+map (the patch of its maximum drawn at random, seeded), the uniform map (its ties broken at
+random: the expected hit rate is the share of patches that touch the object) and the centre patch.
+
+- ``--data easy_vqa``: the easy-VQA **test** split, "what shape / what color" questions; the
+  object is every pixel that differs from the background (the corner pixel's colour).
+- ``--data shapes``: SHAPES **val** (never test), questions ``(is A B)`` whose first argument ``A``
+  names exactly one cell of the scene (read from the image, :func:`vlfuse.data.shapes.read_scene`);
+  the object is the lit pixels of that cell.
+
+    .venv/bin/python scripts/pointing_game.py --model runs/easy_vqa/latest/model --limit-images 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from _common import add_model_argument, load_model
+from PIL import Image
+
+from vlfuse import runtime
+from vlfuse.analysis.explain import METHODS, explain_pixels
+from vlfuse.analysis.tables import markdown_table
+from vlfuse.data.easy_vqa import load_easy_vqa, question_kind
+from vlfuse.data.shapes import CELL, denotation, load_released_split, parse_query, read_scene
+
+BACKGROUND_TOLERANCE = 40
+"""An easy-VQA pixel is the object's when a channel differs from the background by more than this (of 255)."""
+SHAPES_LIT = 0.3 * 255
+"""A SHAPES pixel is an object's when its brightest channel reaches this (:func:`read_scene`'s rule)."""
+SHAPES_DIR = Path("/work/shared/data/shapes")
+
+
+@dataclass
+class Item:
+    """One question: its image ``(H, W, 3)`` uint8 and the object's pixels ``(H, W)`` bool."""
+
+    image: np.ndarray
+    question: str
+    object_pixels: np.ndarray
+
+
+def patch_region(object_pixels: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """``(rows, cols)`` bool: the patches (the grid laid over the whole image) holding an object pixel."""
+    height, width = object_pixels.shape
+    rows = np.linspace(0, height, grid[0] + 1).round().astype(int)
+    cols = np.linspace(0, width, grid[1] + 1).round().astype(int)
+    return np.array([[object_pixels[rows[r]:rows[r + 1], cols[c]:cols[c + 1]].any() for c in range(grid[1])]
+                     for r in range(grid[0])])
+
+
+def hit(patch_map: np.ndarray, region: np.ndarray) -> bool:
+    """Whether the maximum of ``patch_map`` ``(rows, cols)`` falls in ``region`` (the first maximum, row-major)."""
+    return bool(region.flat[int(np.argmax(patch_map))])
+
+
+def easy_vqa_items(limit_images: int | None) -> Iterator[Item]:
+    """The test split's "what" questions; the object is every pixel off the background colour."""
+    for record in load_easy_vqa("test")[:limit_images]:
+        image = np.asarray(Image.open(record.image).convert("RGB"))
+        object_pixels = np.abs(image.astype(int) - image[0, 0].astype(int)).max(-1) > BACKGROUND_TOLERANCE
+        for question in record.questions:
+            if question_kind(question) in ("what colour", "what shape"):
+                yield Item(image, question, object_pixels)
+
+
+def shapes_items(data_dir: Path, limit_images: int | None) -> Iterator[Item]:
+    """SHAPES val questions whose first argument names one cell; the object is that cell's lit pixels."""
+    split = load_released_split(data_dir, "val")
+    for image, query in list(zip(split.images, split.queries))[:limit_images]:
+        _, first, _ = parse_query(query)
+        cells = denotation(first, read_scene(image))
+        if cells.sum() != 1:
+            continue
+        block = np.kron(cells, np.ones((CELL, CELL), dtype=bool))  # (30, 30): the cell's pixels
+        yield Item(np.ascontiguousarray(image), query, block & (image.max(-1) >= SHAPES_LIT))
+
+
+def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict]:
+    """Hit counts per method and layer, per head, and of the baselines; each ``{name: [hits, questions]}``."""
+    grid = tuple(model.image_encoder.grid_size)
+    rng = np.random.default_rng(seed)
+    layers = range(model.num_fusion_layers)
+    runs = [(name, layer) for name in METHODS for layer in (layers if METHODS[name].per_layer else [None])]
+    methods = {f"{name}" + ("" if layer is None else f" layer {layer}"): [0, 0] for name, layer in runs}
+    heads: dict[str, list[int]] = {}
+    baselines = {"random map": [0, 0], "uniform map (expected)": [0.0, 0], "centre patch": [0, 0]}
+    for item in items:
+        region = patch_region(item.object_pixels, grid)
+        pixels = model.processor.image(item.image)[None]
+        for (name, layer), key in zip(runs, methods):
+            explanation = explain_pixels(model, pixels, item.question, name, layer=layer)
+            methods[key][0] += hit(explanation.patch_map(), region)
+            methods[key][1] += 1
+            if layer is not None:
+                per_head = explanation.token_patch_maps().mean(1)  # (H, rows, cols): each head's question map
+                for label, head_map in zip(explanation.heads, per_head):
+                    counts = heads.setdefault(f"{name} layer {layer} {label}", [0, 0])
+                    counts[0] += hit(head_map, region)
+                    counts[1] += 1
+        baselines["random map"][0] += hit(rng.random(grid), region)
+        baselines["uniform map (expected)"][0] += float(region.mean())
+        baselines["centre patch"][0] += bool(region[grid[0] // 2, grid[1] // 2])
+        for counts in baselines.values():
+            counts[1] += 1
+    return methods, heads, baselines
+
+
+def rate(counts) -> float:
+    return counts[0] / counts[1] if counts[1] else float("nan")
+
+
+def report(methods: dict, heads: dict, baselines: dict) -> str:
+    """The markdown tables: methods and baselines, then the best and worst head of each layer."""
+    rows = [[name, f"{rate(c):.4f}", str(c[1])] for name, c in methods.items()]
+    rows += [[f"baseline: {name}", f"{rate(c):.4f}", str(c[1])] for name, c in baselines.items()]
+    lines = [markdown_table(["method", "pointing hit rate", "questions"], rows), ""]
+    by_layer: dict[str, list[tuple[float, str]]] = {}
+    for key, counts in heads.items():
+        layer_key, head = key.rsplit(" head ", 1)
+        by_layer.setdefault(layer_key, []).append((rate(counts), head))
+    head_rows = [[layer_key, f"head {max(v)[1]}: {max(v)[0]:.4f}", f"head {min(v)[1]}: {min(v)[0]:.4f}",
+                  f"{np.median([r for r, _ in v]):.4f}"] for layer_key, v in by_layer.items()]
+    lines.append(markdown_table(["heads of", "best head", "worst head", "median head"], head_rows))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_argument(parser)
+    parser.add_argument("--data", choices=("easy_vqa", "shapes"), default="easy_vqa",
+                        help="easy_vqa (test split, 'what' questions) or shapes (val split, one-object questions)")
+    parser.add_argument("--shapes-dir", type=Path, default=SHAPES_DIR, help=f"the SHAPES files (default {SHAPES_DIR})")
+    parser.add_argument("--limit-images", type=int, default=None, metavar="N", help="only the first N images (easy-VQA) or rows (SHAPES)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random-map baseline (default 0)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the counts as JSON here")
+    args = parser.parse_args()
+
+    torch.set_num_threads(runtime.DEFAULT_THREADS)
+    model = load_model(args.model)
+    items = list(easy_vqa_items(args.limit_images) if args.data == "easy_vqa" else shapes_items(args.shapes_dir, args.limit_images))
+    if not items:
+        raise SystemExit(f"error: --data {args.data}: no question about one object")
+    methods, heads, baselines = score(model, items, args.seed)
+    print(report(methods, heads, baselines))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"model": str(args.model), "data": args.data, "methods": methods,
+                                         "heads": heads, "baselines": baselines}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Explanations (vlfuse.analysis.explain), ``vlfuse explain`` and the pointing game: shapes, hand
+computations of attention x gradient and rollout, the files the command writes, its errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlfuse.analysis.explain import METHODS, explain, weights_gradient
+from vlfuse.cli import main as vlfuse_main
+from vlfuse.layers import attention as attention_module
+from vlfuse.model import VLFuseModel
+
+from conftest import load_script, tiny_config
+
+ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
+QUESTIONS = ["what color is the shape?", "is there a red shape?", "what shape is it?"]
+QUESTION = "what color is the shape?"
+HEADS, PREFIX, GRID = 16, 1, (4, 4)  # tiny_config: 16 fusion heads, a CLS token, 32 px / 8 px patches
+TOKENS = 8  # [CLS] what color is the shape ? [SEP], and "?" is a word of its own: 8 as the word tokenizer splits QUESTION
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_model(depth: int = 2, **fuser) -> VLFuseModel:
+    torch.manual_seed(0)
+    config = tiny_config(fuser={"gated": False, "self_attention": False, "depth": depth, **fuser})
+    return VLFuseModel.from_config(config, ANSWERS, QUESTIONS).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def image():
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_each_method_gives_maps_per_head_and_token_and_a_question_map_that_sums_to_1(model, image, method):
+    e = explain(model, image, QUESTION, method)
+    assert e.method == method and e.answer in ANSWERS and 0 < e.probability <= 1
+    assert len(e.tokens) == TOKENS and e.tokens[0] == "[CLS]"
+    li = PREFIX + GRID[0] * GRID[1]
+    assert e.question_map.shape == (li,) and (e.question_map >= 0).all()
+    assert e.question_map.sum() == pytest.approx(1.0, abs=1e-5)
+    assert e.patch_map().shape == GRID
+    heads = HEADS if method in ("attention", "gradcam") else 1
+    if method == "input_gradient":
+        assert e.token_maps is None and e.token_patch_maps() is None
+        assert e.question_map[:PREFIX].sum() == 0  # the prefix tokens have no pixels
+    else:
+        assert e.token_maps.shape == (heads, TOKENS, li) and len(e.heads) == heads
+        assert e.token_patch_maps().shape == (heads, TOKENS, *GRID)
+    assert e.layer == (1 if method in ("attention", "gradcam") else None)
+
+
+def test_raw_attention_rows_are_the_models_weights(model, image):
+    e = explain(model, image, QUESTION, "attention", layer=0)
+    inputs = model.processor([image], [QUESTION])
+    weights = model(**inputs, weights_from=[0]).attentions[0][0]  # (H, Lt, Li)
+    np.testing.assert_allclose(e.token_maps, weights.detach().numpy(), atol=1e-6)
+    np.testing.assert_allclose(e.token_maps.sum(-1), 1.0, atol=1e-5)  # each row a distribution
+    np.testing.assert_allclose(e.question_map, weights.mean((0, 1)).detach().numpy(), atol=1e-6)
+
+
+def test_weights_gradient_of_a_hand_built_two_head_layer():
+    """``y = sum_q c[h, q] . (A V)[h, q]``: by hand, ``dy/dA[h, q, k] = c[h, q] . V[h, k]``."""
+    torch.manual_seed(1)
+    heads, tokens, keys, dim = 2, 3, 5, 4
+    attention = torch.randn(heads, tokens, keys).softmax(-1)
+    value = torch.randn(heads, keys, dim)
+    c = torch.randn(heads, tokens, dim)
+    value_grad = attention.transpose(1, 2) @ c  # dy/dV = A^T c
+    by_hand = torch.einsum("hqd,hkd->hqk", c, value)
+    torch.testing.assert_close(weights_gradient(attention, value, value_grad), by_hand, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-9), (torch.float32, 1e-2)])
+def test_gradcam_is_attention_times_the_positive_gradient_of_the_answers_logit(image, monkeypatch, dtype, tolerance):
+    """Against the gradient at the weights the layer used (kept by wrapping the attention core).
+
+    Exact in float64; in float32 the rounding of dy/dV is amplified by how alike the tokens'
+    attention rows are (nearly uniform in an untrained model: under 1% of the largest value).
+    """
+    model = tiny_model().to(dtype)
+    used = []
+
+    def keep_weights(*args, original=attention_module.attention_core, **kwargs):
+        out, weights = original(*args, **kwargs)
+        if weights is not None:
+            weights.retain_grad()
+            used.append(weights)
+        return out, weights
+
+    monkeypatch.setattr(attention_module, "attention_core", keep_weights)
+    inputs = model.processor([image], [QUESTION]).to(dtype=dtype)
+    logits = model(**inputs, weights_from=[1]).logits[0]
+    answer = int(logits.argmin())  # not the predicted one
+    logits[answer].backward()
+    [weights] = used  # (1, H, T, Li): one image, its question's tokens in order
+    monkeypatch.undo()
+    e = explain(model, image, QUESTION, "gradcam", answer=ANSWERS[answer])
+    assert e.answer_index == answer
+    by_hand = (weights.detach() * weights.grad.clamp_min(0))[0].float().numpy()
+    scale = np.abs(by_hand).max()
+    h = 3
+    np.testing.assert_allclose(e.token_maps[h], by_hand[h], atol=tolerance * scale)
+    np.testing.assert_allclose(e.token_maps, by_hand, atol=tolerance * scale)
+    assert (by_hand > 0).any() and (by_hand == 0).any()  # the positive part, not all of it
+
+
+def test_rollout_of_one_layer_is_its_head_mean_attention(image):
+    one = tiny_model(depth=1)
+    rolled = explain(one, image, QUESTION, "rollout")
+    attention = explain(one, image, QUESTION, "attention")
+    np.testing.assert_allclose(rolled.token_maps[0], attention.token_maps.mean(0), atol=1e-6)
+
+
+def test_rollout_of_two_layers_weights_the_later_layer_twice(model, image):
+    """``r = 0.5 (0.5 A0) + 0.5 A1``, normalised: ``A0 / 3 + 2 A1 / 3`` (the head means)."""
+    rolled = explain(model, image, QUESTION, "rollout").token_maps[0]
+    a0, a1 = (explain(model, image, QUESTION, "attention", layer=i).token_maps.mean(0) for i in (0, 1))
+    np.testing.assert_allclose(rolled, a0 / 3 + 2 * a1 / 3, atol=1e-6)
+
+
+def test_rollout_refuses_a_fuser_with_text_self_attention(image):
+    with pytest.raises(ValueError, match="rollout.*self-attention"):
+        explain(tiny_model(self_attention=True), image, QUESTION, "rollout")
+
+
+def test_an_answer_or_method_or_layer_the_model_lacks_is_a_clear_error(model, image):
+    with pytest.raises(ValueError, match=r"answer 'purple' is not one of the model's 6 answers: 'no', 'yes'"):
+        explain(model, image, QUESTION, "gradcam", answer="purple")
+    with pytest.raises(ValueError, match="unknown explanation method 'lime': choose from attention, gradcam"):
+        explain(model, image, QUESTION, "lime")
+    with pytest.raises(ValueError, match=r"layer 2 out of range: the model has fusion layers 0\.\.1"):
+        explain(model, image, QUESTION, "attention", layer=2)
+
+
+@pytest.fixture(scope="module")
+def saved(model, image, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("explain")
+    image.save(folder / "shape.png")
+    return model.save_pretrained(folder / "model"), folder / "shape.png"
+
+
+def test_the_command_writes_figures_maps_and_sidecar_and_prints_where(saved, tmp_path, capsys):
+    model_dir, image_path = saved
+    out = tmp_path / "maps"
+    argv = ["explain", "--model", str(model_dir), "--image", str(image_path), "--question", QUESTION,
+            "--answer", "red", "--output", str(out)]
+    assert vlfuse_main(argv) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith("answer: red (probability ")
+    pngs = [f"shape_{m}_question.png" for m in METHODS] + [f"shape_{m}_words.png" for m in METHODS if m != "input_gradient"]
+    for name in pngs + ["shape.npz", "shape.json"]:
+        assert (out / name).is_file() and str(out / name) in printed.err, name
+    assert f"wrote {len(pngs) + 2} files to {out}" in printed.err
+    with np.load(out / "shape.npz") as maps:
+        assert maps["gradcam_tokens"].shape == (HEADS, TOKENS, PREFIX + 16)
+        assert maps["rollout_question"].sum() == pytest.approx(1.0, abs=1e-5)
+        assert "input_gradient_tokens" not in maps
+    sidecar = json.loads((out / "shape.json").read_text())
+    assert sidecar["answer"] == "red" and len(sidecar["tokens"]) == TOKENS
+    assert sidecar["methods"]["gradcam"]["layer"] == 1 and sidecar["methods"]["rollout"]["layer"] is None
+
+
+def test_the_command_refuses_an_unknown_answer_in_one_line(saved, tmp_path, capsys):
+    model_dir, image_path = saved
+    argv = ["explain", "--model", str(model_dir), "--image", str(image_path), "--question", QUESTION,
+            "--answer", "purple", "--method", "gradcam", "--output", str(tmp_path / "maps")]
+    assert vlfuse_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "answer 'purple' is not one of the model's 6 answers" in err
+    assert not (tmp_path / "maps").exists()
+
+
+def test_pointing_hits_where_the_maximum_falls_on_the_object():
+    pointing = load_script("pointing_game")
+    pixels = np.zeros((8, 8), dtype=bool)
+    pixels[0:2, 4:6] = True  # the object's pixels: patch (0, 1) of a 2x2 grid... (0, 2) of a 4x4 one
+    region = pointing.patch_region(pixels, (4, 4))
+    assert region.sum() == 1 and region[0, 2]
+    assert pointing.patch_region(pixels, (2, 2)).tolist() == [[False, True], [False, False]]
+    peak = np.zeros((4, 4))
+    peak[0, 2] = 1.0
+    assert pointing.hit(peak, region)
+    assert not pointing.hit(peak.T, region)
+    assert not pointing.hit(np.zeros((4, 4)), region)  # a flat map points at its first patch
+
+
+def test_pointing_scores_count_every_question_for_every_method_and_baseline(model, image):
+    pointing = load_script("pointing_game")
+    object_pixels = np.zeros((32, 32), dtype=bool)
+    object_pixels[8:24, 8:24] = True  # the centre 2x2 patches of the 4x4 grid
+    items = [pointing.Item(np.asarray(image), q, object_pixels) for q in QUESTIONS]
+    methods, heads, baselines = pointing.score(model, items, seed=0)
+    assert set(methods) == {"attention layer 0", "attention layer 1", "gradcam layer 0", "gradcam layer 1",
+                            "rollout", "input_gradient"}
+    assert all(total == len(items) and 0 <= hits <= total for hits, total in methods.values())
+    assert len(heads) == 4 * HEADS
+    assert baselines["uniform map (expected)"][0] == pytest.approx(len(items) * 4 / 16)
+    assert baselines["centre patch"][0] == len(items)  # patch (2, 2) is the object's
+    assert "| baseline: random map |" in pointing.report(methods, heads, baselines)
