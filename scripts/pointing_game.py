@@ -32,13 +32,13 @@ from vlfuse import runtime
 from vlfuse.analysis.explain import METHODS, explain_pixels
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.data.easy_vqa import load_easy_vqa, question_kind
-from vlfuse.data.shapes import CELL, denotation, load_released_split, parse_query, read_scene
+from vlfuse.data.shapes import CELL, denotation, load_released_split, parse_query, read_scene, to_english
+from vlfuse.datamodules.shapes import find_shapes_dir
 
 BACKGROUND_TOLERANCE = 40
 """An easy-VQA pixel is the object's when a channel differs from the background by more than this (of 255)."""
 SHAPES_LIT = 0.3 * 255
 """A SHAPES pixel is an object's when its brightest channel reaches this (:func:`read_scene`'s rule)."""
-SHAPES_DIR = Path("/work/shared/data/shapes")
 
 
 @dataclass
@@ -75,7 +75,8 @@ def easy_vqa_items(limit_images: int | None) -> Iterator[Item]:
 
 
 def shapes_items(data_dir: Path, limit_images: int | None) -> Iterator[Item]:
-    """SHAPES val questions whose first argument names one cell; the object is that cell's lit pixels."""
+    """SHAPES val questions whose first argument names one cell (206 of the 1,024), in English as the
+    datamodule asks them; the object is that cell's lit pixels."""
     split = load_released_split(data_dir, "val")
     for image, query in list(zip(split.images, split.queries))[:limit_images]:
         _, first, _ = parse_query(query)
@@ -83,7 +84,7 @@ def shapes_items(data_dir: Path, limit_images: int | None) -> Iterator[Item]:
         if cells.sum() != 1:
             continue
         block = np.kron(cells, np.ones((CELL, CELL), dtype=bool))  # (30, 30): the cell's pixels
-        yield Item(np.ascontiguousarray(image), query, block & (image.max(-1) >= SHAPES_LIT))
+        yield Item(np.ascontiguousarray(image), to_english(query), block & (image.max(-1) >= SHAPES_LIT))  # as the datamodule asks
 
 
 def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict]:
@@ -140,7 +141,8 @@ def main() -> None:
     add_model_argument(parser)
     parser.add_argument("--data", choices=("easy_vqa", "shapes"), default="easy_vqa",
                         help="easy_vqa (test split, 'what' questions) or shapes (val split, one-object questions)")
-    parser.add_argument("--shapes-dir", type=Path, default=SHAPES_DIR, help=f"the SHAPES files (default {SHAPES_DIR})")
+    parser.add_argument("--shapes-dir", type=Path, metavar="DIR",
+                        help="the SHAPES files (default $VLFUSE_SHAPES_DIR, then ../shared/data/shapes)")
     parser.add_argument("--limit-images", type=int, default=None, metavar="N", help="only the first N images (easy-VQA) or rows (SHAPES)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-map baseline (default 0)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the counts as JSON here")
@@ -148,7 +150,13 @@ def main() -> None:
 
     torch.set_num_threads(runtime.DEFAULT_THREADS)
     model = load_model(args.model)
-    items = list(easy_vqa_items(args.limit_images) if args.data == "easy_vqa" else shapes_items(args.shapes_dir, args.limit_images))
+    if args.data == "easy_vqa":
+        items = list(easy_vqa_items(args.limit_images))
+    else:
+        try:
+            items = list(shapes_items(find_shapes_dir(args.shapes_dir), args.limit_images))
+        except (FileNotFoundError, ValueError) as err:
+            raise SystemExit(f"error: --shapes-dir: {err}") from None
     if not items:
         raise SystemExit(f"error: --data {args.data}: no question about one object")
     methods, heads, baselines = score(model, items, args.seed)

@@ -13,7 +13,7 @@ from vlfuse.cli import main as vlfuse_main
 from vlfuse.layers import attention as attention_module
 from vlfuse.model import VLFuseModel
 
-from conftest import load_script, tiny_config
+from conftest import SHARED, load_script, tiny_config
 
 ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
 QUESTIONS = ["what color is the shape?", "is there a red shape?", "what shape is it?"]
@@ -208,3 +208,13 @@ def test_pointing_scores_count_every_question_for_every_method_and_baseline(mode
     assert baselines["uniform map (expected)"][0] == pytest.approx(len(items) * 4 / 16)
     assert baselines["centre patch"][0] == len(items)  # patch (2, 2) is the object's
     assert "| baseline: random map |" in pointing.report(methods, heads, baselines)
+
+
+def test_shapes_questions_about_one_object_point_at_its_cell():
+    """SHAPES val (never test): the object of ``(is A B)`` is the one cell ``A`` names, lit pixels only."""
+    pointing = load_script("pointing_game")
+    items = list(pointing.shapes_items(SHARED / "data" / "shapes", 64))
+    assert 0 < len(items) < 64 and all(not item.question.startswith("(") for item in items)  # English, as asked
+    for item in items:
+        rows, cols = np.nonzero(item.object_pixels)
+        assert len(rows) > 0 and len(set(rows // 10)) == 1 and len(set(cols // 10)) == 1  # inside one 10 px cell
