@@ -19,7 +19,7 @@ from vlfuse.inference import onnx_export
 from vlfuse.inference.onnx_model import ONNX_FILE
 from vlfuse.model import VLFuseModel
 
-from conftest import tiny_config
+from conftest import reader_config, tiny_config
 
 ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
 QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a blue shape?", "what shape is it?"]
@@ -186,6 +186,15 @@ def test_a_model_that_cannot_be_exported_is_one_line(model, tmp_path, monkeypatc
     monkeypatch.setattr(torch.onnx, "export", fail)
     with pytest.raises(ValueError, match="^fuser 'fusion_stack' could not be exported to ONNX: Could not guard .*u0 > 1$"):
         export_onnx(model, tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_reader_that_loops_over_the_words_is_refused_not_exported_with_a_fixed_length(tmp_path):
+    torch.manual_seed(0)
+    reader = VLFuseModel.from_config(reader_config("map_program"), ["no", "yes"], QUESTIONS)
+    with pytest.raises(ValueError, match="^fuser 'map_program' cannot be exported to ONNX with dynamic sizes: the "
+                       "trace fixed axis 1 of input_ids to 5"):
+        export_onnx(reader, tmp_path / "reader")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -180,12 +180,29 @@ def write_graph(model: VLFuseModel, path: Path, quantize: str | None) -> None:
         raise ValueError(f"ONNX export needs the export extra (pip install 'vlfuse[export]'): {first_line(err)}") from None
     except Exception as err:  # torch.export's and the ONNX translator's errors
         raise ValueError(f"fuser {model.config.fuser.type!r} could not be exported to ONNX: {first_line(err)}") from None
+    check_dynamic(exported, dynamic, model.config.fuser.type)
     if quantize:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         with root_logger_silenced():
             quantize_dynamic(exported, path, weight_type=QuantType.QInt8)
         exported.unlink()
+
+
+def check_dynamic(path: Path, dynamic: dict[str, dict[int, object]], fuser: str) -> None:
+    """A ``ValueError`` when the exported graph in ``path`` fixed an axis meant to be dynamic: the
+    model computes something from that size (e.g. a reader that loops over the question's words)."""
+    import onnx
+
+    graph = onnx.load(path, load_external_data=False).graph
+    for value in graph.input:
+        dims = value.type.tensor_type.shape.dim
+        for axis in dynamic.get(value.name, {}):
+            if dims[axis].HasField("dim_value"):
+                raise ValueError(
+                    f"fuser {fuser!r} cannot be exported to ONNX with dynamic sizes: the trace fixed axis {axis} of "
+                    f"{value.name} to {dims[axis].dim_value} (the model computes something from that size)"
+                )
 
 
 @contextmanager
