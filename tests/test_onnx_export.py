@@ -10,7 +10,6 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from PIL import Image
 
 from vlfuse import model_io
 from vlfuse.cli import main as vlfuse_main
@@ -20,9 +19,7 @@ from vlfuse.inference.onnx_model import ONNX_FILE
 from vlfuse.model import VLFuseModel
 
 from conftest import reader_config, tiny_config
-
-ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
-QUESTIONS = ["what color is the shape?", "is there a red shape?", "is there a blue shape?", "what shape is it?"]
+from test_predict import ANSWERS, QUESTIONS, images  # noqa: F401 (images: a fixture, three random PNGs of odd sizes)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,19 +63,6 @@ def int8_dir(int8_export):
 def quick_graph(fp32_dir, monkeypatch):
     """Exports that copy the float32 graph instead of tracing the model again (the rest runs as it does)."""
     monkeypatch.setattr(onnx_export, "write_graph", lambda model, path, quantize: shutil.copy(fp32_dir / ONNX_FILE, path))
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory):
-    """Three random RGB PNGs of odd sizes."""
-    folder = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    paths = []
-    for i, size in enumerate([(40, 30), (32, 32), (17, 60)]):
-        path = folder / f"{i}.png"
-        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
-    return paths
 
 
 def pairs(images):
