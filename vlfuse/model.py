@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from vlfuse import model_io
+from vlfuse import hub, model_card, model_io
 from vlfuse.encoders import (
     ImageEncoder, ImageEncoderConfig, TextEncoder, TextEncoderConfig, build_word_tokenizer, load_saved_tokenizer, load_tokenizer,
     saved_text_config, scratch_config,
@@ -165,7 +165,7 @@ class VLFuseOutput:
     auxiliary_loss: torch.Tensor | None = None
 
 
-class VLFuseModel(nn.Module):
+class VLFuseModel(nn.Module, hub.HubMixin, pipeline_tag="visual-question-answering"):
     """A vision-language fusion model for answer classification.
 
     Image tokens (timm ViT) and question tokens (transformers encoder) are projected to
@@ -181,6 +181,11 @@ class VLFuseModel(nn.Module):
 
     Its :attr:`processor` (tokenizer and image transform) turns images and questions into its
     inputs: ``model(**model.processor(images, questions))``.
+
+    It saves and loads through huggingface_hub's mixin (:class:`vlfuse.hub.HubMixin`):
+    :meth:`save_pretrained` writes a folder with a model card, ``from_pretrained`` reads a folder or
+    a Hub repository, ``push_to_hub`` uploads. :attr:`run_record` is the
+    :class:`~vlfuse.model_card.RunRecord` of the folder it was loaded from (``None`` for a new model).
 
     Args:
         config: the architecture.
@@ -204,6 +209,7 @@ class VLFuseModel(nn.Module):
         super().__init__()
         config.check(answers)
         self.config = config
+        self.run_record: model_card.RunRecord | None = None
         self.answers = list(answers)
         self.processor = processor
         tokenizer = processor.tokenizer
@@ -406,13 +412,17 @@ class VLFuseModel(nn.Module):
         self.answers.extend(answers)
 
     # ------------------------------------------------------------------------- save and load
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write weights (safetensors), config and answers (JSON) and the tokenizer to ``directory``,
-        atomically (see :func:`vlfuse.model_io.write_model_folder`): a kill leaves the old folder or
-        the new one. A folder that vlfuse did not write is not replaced (``ValueError``)."""
+    def _save_pretrained(
+        self, save_directory: Path, *, run: model_card.RunRecord | None = None, card_text: dict[str, str] | None = None
+    ) -> None:
+        """The mixin's hook (:meth:`~vlfuse.hub.HubMixin.save_pretrained` calls it): write weights
+        (safetensors), config and answers (JSON), the tokenizer and the model card to
+        ``save_directory``, atomically (see :func:`vlfuse.model_io.write_model_folder`): a kill leaves
+        the old folder or the new one. A folder that vlfuse did not write is not replaced (``ValueError``)."""
         plain = merged(self)  # each encoder's adapter folded into its weights: the folder needs no peft
         if plain is not self:
-            return plain.save_pretrained(directory)
+            plain._save_pretrained(save_directory, run=run, card_text=card_text)
+            return
         meta = {
             "format_version": model_io.FORMAT_VERSION,
             "model_type": model_io.MODEL_TYPE,
@@ -425,15 +435,12 @@ class VLFuseModel(nn.Module):
             model_io.write_json(folder / model_io.ANSWERS_FILE, self.answers, indent=1)
             self.tokenizer.save_pretrained(folder / model_io.TOKENIZER_DIR)
 
-        return model_io.write_model_folder(directory, meta, write_files)
+        hub.write_folder(self, Path(save_directory), meta, write_files, run=run, card_text=card_text)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> "VLFuseModel":
-        """Rebuild a model saved by :meth:`save_pretrained`, of this format or an earlier one
-        (:mod:`vlfuse.model_io`). The folder is data: nothing is unpickled and no code in it runs,
-        the files are checked against their digests and the weights against the architecture
-        before anything is allocated; every error is a one-line ``ValueError`` naming the file."""
-        directory = Path(directory)
+    def _load_folder(cls, directory: Path, map_location: str | torch.device = "cpu") -> "VLFuseModel":
+        """Rebuild a model from a folder :meth:`save_pretrained` wrote, of this format or an earlier one
+        (:mod:`vlfuse.model_io`), checked as untrusted data (see :meth:`from_pretrained`)."""
         files = (model_io.WEIGHTS_FILE, model_io.CONFIG_FILE, model_io.ANSWERS_FILE, model_io.TOKENIZER_DIR)
         model_io.require_files(directory, files, "a saved vlfuse model")
         meta = model_io.read_meta(directory, model_io.MODEL_TYPE, model_io.READABLE_FORMATS)
@@ -444,6 +451,7 @@ class VLFuseModel(nn.Module):
         )
         config = model_io.parse_config(config_file, lambda: VLFuseConfig.from_dict(architecture))
         text_hf_config = model_io.parse_config(config_file, lambda: saved_text_config(meta["text_encoder_config"]))
+        run = model_io.parse_config(config_file, lambda: model_card.read_run(meta))
         answers_file = directory / model_io.ANSWERS_FILE
         answers = model_io.parse_config(answers_file, lambda: answer_list(model_io.read_json(answers_file)))
         tokenizer = load_saved_tokenizer(directory / model_io.TOKENIZER_DIR, text_hf_config.vocab_size)
@@ -456,6 +464,7 @@ class VLFuseModel(nn.Module):
         version = meta["format_version"]
         _, state = model_io.upgrade_answering_model(version, meta["config"], model_io.read_weights(directory, map_location))
         model_io.load_weights(model, state, directory, described_by)
+        model.run_record = run
         return model.to(map_location).eval()
 
 

@@ -1,8 +1,10 @@
 """Model folders: writing them, reading them back, and reading the formats of earlier versions.
 
 A folder holds ``config.json`` (format version, model type, architecture, and the size and SHA-256
-of every other file), ``model.safetensors`` (the weights: nothing is unpickled), ``tokenizer/``
-and, for an answering model, ``answers.json``.
+of every other file), ``model.safetensors`` (the weights: nothing is unpickled), ``tokenizer/``,
+for an answering model ``answers.json``, and its model card ``README.md`` (:mod:`vlfuse.model_card`):
+documentation, not the model, so it has no digest and may be edited or rewritten
+(``vlfuse card MODEL --write``) without making the folder fail its checks.
 :class:`~vlfuse.model.VLFuseModel` and :class:`~vlfuse.captioning.CaptionModel` read and write
 them through this module; it imports no model code.
 
@@ -53,6 +55,9 @@ FORMAT_VERSION = 3
 READABLE_FORMATS = (1, 2, 3)
 MODEL_TYPE = "vlfuse"
 WEIGHTS_FILE, CONFIG_FILE, ANSWERS_FILE, TOKENIZER_DIR = "model.safetensors", "config.json", "answers.json", "tokenizer"
+CARD_FILE = "README.md"
+"""The model card: written with the folder, never hashed (:func:`files_below` leaves it out).
+"""
 MODEL_TYPES = (MODEL_TYPE, "vlfuse-caption")
 """The ``model_type`` of every kind of folder vlfuse writes (a folder of another is never replaced)."""
 
@@ -100,16 +105,27 @@ def save_weights(model: nn.Module, directory: str | Path) -> Path:
 
 def write_json(path: Path, data: Any, indent: int = 2) -> None:
     """Write ``data`` as JSON with a final newline (never ``NaN``: it is not JSON)."""
-    path.write_text(json.dumps(data, indent=indent, allow_nan=False) + "\n")
+    path.write_text(json_text(data, indent))
 
 
-def write_model_folder(target: str | Path, meta: Mapping[str, Any], write_files: Callable[[Path], None]) -> Path:
+def json_text(data: Any, indent: int = 2) -> str:
+    """``data`` as :func:`write_json` writes it."""
+    return json.dumps(data, indent=indent, allow_nan=False) + "\n"
+
+
+def write_model_folder(
+    target: str | Path,
+    meta: Mapping[str, Any],
+    write_files: Callable[[Path], None],
+    describe: Callable[[Path, dict], None] | None = None,
+) -> Path:
     """Write a model folder at ``target`` atomically; return ``target``.
 
     ``write_files(folder)`` writes every file but ``config.json`` into a fresh hidden folder beside
     ``target``; ``config.json`` (``meta`` with the size and SHA-256 of each of those files) is
-    written last, everything is flushed to disk, and the folder takes ``target``'s place in one
-    rename. A kill at any moment leaves the old folder or the new one, never a mix; a killed
+    written next, then ``describe(folder, config)`` writes what describes the folder from the
+    config as written (the model card, which has no digest); everything is flushed to disk, and
+    the folder takes ``target``'s place in one rename. A kill at any moment leaves the old folder or the new one, never a mix; a killed
     save's hidden folder is removed by the next save beside it.
 
     Raises:
@@ -122,7 +138,10 @@ def write_model_folder(target: str | Path, meta: Mapping[str, Any], write_files:
     staging = make_staging(target)
     try:
         write_files(staging)
-        write_json(staging / CONFIG_FILE, {**meta, "files": file_digests(staging)})
+        config = {**meta, "files": file_digests(staging)}
+        write_json(staging / CONFIG_FILE, config)
+        if describe is not None:
+            describe(staging, config)
         sync_tree(staging)
         move_into_place(staging, target)
     except BaseException:
@@ -158,9 +177,27 @@ def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def files_below(folder: Path) -> list[str]:
-    """The relative paths of every file below ``folder`` but ``config.json``, sorted."""
+    """The relative paths of every file below ``folder`` but ``config.json`` and the card, sorted."""
     names = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    return sorted(name for name in names if name != CONFIG_FILE)
+    return sorted(name for name in names if name not in (CONFIG_FILE, CARD_FILE))
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a hidden file beside it, flushed, renamed onto it (a kill
+    leaves the old file or the new one). For the files of a folder that are not hashed
+    (``config.json``, the card); a folder's other files are written with the folder."""
+    atomic.remove_abandoned(path.parent, f".{path.name}{STAGING}")
+    temp = path.with_name(f".{path.name}{STAGING}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(temp, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    atomic.fsync(path.parent)
 
 
 def sha256(path: Path) -> str:
@@ -297,7 +334,7 @@ def verify_files(directory: Path, meta: dict) -> None:
     config = directory / CONFIG_FILE
     if not isinstance(listed, dict) or not all(isinstance(entry, dict) for entry in listed.values()):
         raise ValueError(f"{config}: 'files' must map each file to its size and sha256")
-    root = directory.resolve()
+    root = containing_folder(directory).resolve()
     for name, entry in listed.items():
         path = directory / name
         if not path.resolve().is_relative_to(root) or not path.is_file():
@@ -311,6 +348,15 @@ def verify_files(directory: Path, meta: dict) -> None:
     extra = [name for name in files_below(directory) if name.startswith(f"{TOKENIZER_DIR}/") and name not in listed]
     if extra:
         raise ValueError(f"{directory / extra[0]} was not saved with the model ({config} does not list it): remove it")
+
+
+def containing_folder(directory: Path) -> Path:
+    """The folder the files of ``directory`` must lie in: itself, or for a snapshot in the Hugging Face
+    Hub's cache (``models--OWNER--NAME/snapshots/COMMIT``, whose files link to the repository's
+    ``blobs/``) the repository's cache folder."""
+    if directory.parent.name == "snapshots" and directory.parent.parent.name.startswith("models--"):
+        return directory.parent.parent
+    return directory
 
 
 def read_header(directory: Path) -> dict[str, tuple[int, ...]]:

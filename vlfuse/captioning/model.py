@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from vlfuse import model_io
+from vlfuse import hub, model_card, model_io
 from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, build_word_tokenizer, load_saved_tokenizer
 from vlfuse.encoders.adapters import merged
 from vlfuse.parts import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, check_fields, check_range
@@ -67,7 +67,7 @@ class CaptionConfig:
         return cls(image=ImageEncoderConfig(**data.pop("image", {})), **data)
 
 
-class CaptionModel(nn.Module):
+class CaptionModel(nn.Module, hub.HubMixin, pipeline_tag="image-to-text", tags=["image-captioning"]):
     """Writes a caption for an image: a timm ViT encodes the image, a causal decoder of fusion
     blocks (:class:`~vlfuse.heads.caption_decoder.CaptionDecoder`) writes the words, each of them
     attending to the image patches with 16-head cross-attention.
@@ -76,6 +76,7 @@ class CaptionModel(nn.Module):
     ``sep_token`` ends a caption. The stages: :meth:`encode_images` (pixels -> per-block image
     keys/values, projected once per image) and :meth:`decode` (tokens -> next-token scores, with an
     optional cache); :meth:`forward` is teacher forcing. Generation is :mod:`vlfuse.captioning.generate`.
+    It saves, loads and shares as :class:`~vlfuse.model.VLFuseModel` does (:class:`vlfuse.hub.HubMixin`).
 
     Args:
         config: the architecture.
@@ -92,6 +93,7 @@ class CaptionModel(nn.Module):
                 raise ValueError(f"the caption tokenizer needs a {role.removesuffix('_id')} (pad, begin = cls, end = sep)")
         self.config = config
         self.processor = processor
+        self.run_record: model_card.RunRecord | None = None
         self.image_encoder = ImageEncoder(config.image, load_weights=load_pretrained)
         self.image_proj = nn.Linear(self.image_encoder.width, config.dim)
         self.decoder = CaptionDecoder(
@@ -174,35 +176,39 @@ class CaptionModel(nn.Module):
         return len(self.decoder.blocks)
 
     # ------------------------------------------------------------------------- save and load
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write weights (safetensors), config (JSON) and the tokenizer to ``directory``, atomically
-        (as :meth:`VLFuseModel.save_pretrained <vlfuse.model.VLFuseModel.save_pretrained>`)."""
+    def _save_pretrained(
+        self, save_directory: Path, *, run: model_card.RunRecord | None = None, card_text: dict[str, str] | None = None
+    ) -> None:
+        """The mixin's hook: write weights (safetensors), config (JSON), the tokenizer and the model card
+        to ``save_directory``, atomically (as :meth:`VLFuseModel._save_pretrained <vlfuse.model.VLFuseModel._save_pretrained>`)."""
         plain = merged(self)  # each encoder's adapter folded into its weights: the folder needs no peft
         if plain is not self:
-            return plain.save_pretrained(directory)
+            plain._save_pretrained(save_directory, run=run, card_text=card_text)
+            return
         meta = {"format_version": FORMAT_VERSION, "model_type": MODEL_TYPE, "config": asdict(self.config)}
 
         def write_files(folder: Path) -> None:
             model_io.save_weights(self, folder)
             self.tokenizer.save_pretrained(folder / model_io.TOKENIZER_DIR)
 
-        return model_io.write_model_folder(directory, meta, write_files)
+        hub.write_folder(self, Path(save_directory), meta, write_files, run=run, card_text=card_text)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> "CaptionModel":
-        """Rebuild a model saved by :meth:`save_pretrained`, with the checks of
+    def _load_folder(cls, directory: Path, map_location: str | torch.device = "cpu") -> "CaptionModel":
+        """Rebuild a model from a folder :meth:`save_pretrained` wrote, with the checks of
         :meth:`VLFuseModel.from_pretrained <vlfuse.model.VLFuseModel.from_pretrained>`."""
-        directory = Path(directory)
         files = (model_io.WEIGHTS_FILE, model_io.CONFIG_FILE, model_io.TOKENIZER_DIR)
         model_io.require_files(directory, files, "a saved vlfuse caption model")
         meta = model_io.read_meta(directory, MODEL_TYPE, (FORMAT_VERSION,))
         model_io.verify_files(directory, meta)
         config_file = directory / model_io.CONFIG_FILE
         config = model_io.parse_config(config_file, lambda: CaptionConfig.from_dict(meta["config"]))
+        run = model_io.parse_config(config_file, lambda: model_card.read_run(meta))
         processor = caption_processor(config, load_saved_tokenizer(directory / model_io.TOKENIZER_DIR))
         described_by = str(config_file)
         model = model_io.build_checked(lambda: cls(config, processor, load_pretrained=False), model_io.read_header(directory), directory, described_by)
         model_io.load_weights(model, model_io.read_weights(directory, map_location), directory, described_by)
+        model.run_record = run
         return model.to(map_location).eval()
 
 
