@@ -100,7 +100,7 @@ def export_onnx(
     """Write ``model`` as an ONNX folder at ``target`` (a new path, or an empty folder).
 
     Args:
-        model: an answering model (a fusion-stack or other fuser with an answer head).
+        model: an answering model with a fusion stack (put in eval mode).
         target: the folder to write: ``model.onnx``, ``tokenizer/``, ``answers.json``, ``config.json``.
         quantize: ``"int8"`` for onnxruntime's dynamic int8 quantization; ``None`` keeps float32.
         check: batches on which onnxruntime's answers are compared with PyTorch's (default
