@@ -1,16 +1,18 @@
 """The pointing game: how often an explanation's maximum falls on the object the question is about.
 
 For each question whose answer depends on one object, each method of :mod:`vlfuse.analysis.explain`
-draws its map of the whole question; a hit is a maximum in a patch that holds the object's pixels.
+draws its map of the whole question; a hit is a maximum in a patch of the object.
 Reported per method and layer, per head (attention, gradcam), against three baselines: a random
 map (the patch of its maximum drawn at random, seeded), the uniform map (its ties broken at
-random: the expected hit rate is the share of patches that touch the object) and the centre patch.
+random: the expected hit rate is the share of the patches that are the object's) and the centre patch.
 
-- ``--data easy_vqa``: the easy-VQA **test** split, "what shape / what color" questions; the
-  object is every pixel that differs from the background (the corner pixel's colour).
+- ``--data easy_vqa``: the easy-VQA **test** split, "what shape / what color" questions; the image
+  holds one shape, whose patches are those with at least 25% of their pixels off the background (in
+  the image as the model sees it), as ``vlfuse analyze`` counts object patches
+  (:func:`vlfuse.analysis.head_stats.object_cells`).
 - ``--data shapes``: SHAPES **val** (never test), questions ``(is A B)`` whose first argument ``A``
   names exactly one cell of the scene (read from the image, :func:`vlfuse.data.shapes.read_scene`);
-  the object is the lit pixels of that cell.
+  the object's patches are those over that cell.
 
     .venv/bin/python scripts/pointing_game.py --model runs/easy_vqa/latest/model --limit-images 300
 """
@@ -30,32 +32,56 @@ from PIL import Image
 
 from vlfuse import runtime
 from vlfuse.analysis.explain import METHODS, explain_pixels
+from vlfuse.analysis.head_roles import HeadRules
+from vlfuse.analysis.head_stats import object_cells
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.data.easy_vqa import load_easy_vqa, question_kind
 from vlfuse.data.shapes import CELL, denotation, load_released_split, parse_query, read_scene, to_english
 from vlfuse.datamodules.shapes import find_shapes_dir
 
-BACKGROUND_TOLERANCE = 40
-"""An easy-VQA pixel is the object's when a channel differs from the background by more than this (of 255)."""
-SHAPES_LIT = 0.3 * 255
-"""A SHAPES pixel is an object's when its brightest channel reaches this (:func:`read_scene`'s rule)."""
+RULES = HeadRules()
+"""Which patches hold an object: ``pixel_tolerance`` and ``cell_share``, as ``vlfuse analyze`` counts them."""
 
 
 @dataclass
 class Item:
-    """One question: its image ``(H, W, 3)`` uint8 and the object's pixels ``(H, W)`` bool."""
+    """One question about an image that holds one object: its patches are the object patches
+    (:func:`object_cells`: at least 25% of the patch's pixels foreground, as ``vlfuse analyze`` counts them).
+
+    Attributes:
+        image: ``(H, W, 3)`` uint8.
+        question: the question, as the model is asked it.
+    """
 
     image: np.ndarray
     question: str
-    object_pixels: np.ndarray
+
+    def region(self, pixels: torch.Tensor, grid: tuple[int, int]) -> np.ndarray:
+        """``(rows, cols)`` bool: the patches of the object, in ``pixels`` ``(1, 3, S, S)`` as the model sees the image."""
+        objects = object_cells(pixels, grid, tolerance=RULES.pixel_tolerance, min_share=RULES.cell_share)
+        return objects[0].reshape(grid).numpy()
 
 
-def patch_region(object_pixels: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
-    """``(rows, cols)`` bool: the patches (the grid laid over the whole image) holding an object pixel."""
-    height, width = object_pixels.shape
+@dataclass
+class CellItem(Item):
+    """A question about the object of one scene cell (SHAPES): its patches are those over the cell.
+
+    Attributes:
+        cell: ``(H, W)`` bool, the cell's pixels.
+    """
+
+    cell: np.ndarray
+
+    def region(self, pixels: torch.Tensor, grid: tuple[int, int]) -> np.ndarray:
+        return patch_region(self.cell, grid)
+
+
+def patch_region(where: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """``(rows, cols)`` bool: the patches (the grid laid over the whole image) that overlap ``where`` ``(H, W)``."""
+    height, width = where.shape
     rows = np.linspace(0, height, grid[0] + 1).round().astype(int)
     cols = np.linspace(0, width, grid[1] + 1).round().astype(int)
-    return np.array([[object_pixels[rows[r]:rows[r + 1], cols[c]:cols[c + 1]].any() for c in range(grid[1])]
+    return np.array([[where[rows[r]:rows[r + 1], cols[c]:cols[c + 1]].any() for c in range(grid[1])]
                      for r in range(grid[0])])
 
 
@@ -65,18 +91,17 @@ def hit(patch_map: np.ndarray, region: np.ndarray) -> bool:
 
 
 def easy_vqa_items(limit_images: int | None) -> Iterator[Item]:
-    """The test split's "what" questions; the object is every pixel off the background colour."""
+    """The test split's "what" questions; the image holds one object."""
     for record in load_easy_vqa("test")[:limit_images]:
         image = np.asarray(Image.open(record.image).convert("RGB"))
-        object_pixels = np.abs(image.astype(int) - image[0, 0].astype(int)).max(-1) > BACKGROUND_TOLERANCE
         for question in record.questions:
             if question_kind(question) in ("what colour", "what shape"):
-                yield Item(image, question, object_pixels)
+                yield Item(image, question)
 
 
 def shapes_items(data_dir: Path, limit_images: int | None) -> Iterator[Item]:
     """SHAPES val questions whose first argument names one cell (206 of the 1,024), in English as the
-    datamodule asks them; the object is that cell's lit pixels."""
+    datamodule asks them."""
     split = load_released_split(data_dir, "val")
     for image, query in list(zip(split.images, split.queries))[:limit_images]:
         _, first, _ = parse_query(query)
@@ -84,11 +109,12 @@ def shapes_items(data_dir: Path, limit_images: int | None) -> Iterator[Item]:
         if cells.sum() != 1:
             continue
         block = np.kron(cells, np.ones((CELL, CELL), dtype=bool))  # (30, 30): the cell's pixels
-        yield Item(np.ascontiguousarray(image), to_english(query), block & (image.max(-1) >= SHAPES_LIT))  # as the datamodule asks
+        yield CellItem(np.ascontiguousarray(image), to_english(query), block)
 
 
-def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict]:
-    """Hit counts per method and layer, per head, and of the baselines; each ``{name: [hits, questions]}``."""
+def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict, int]:
+    """Hit counts per method and layer, per head, and of the baselines, each ``{name: [hits, questions]}``,
+    and the number of questions left out because no patch holds enough of the object."""
     grid = tuple(model.image_encoder.grid_size)
     rng = np.random.default_rng(seed)
     layers = range(model.num_fusion_layers)
@@ -96,9 +122,13 @@ def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict]:
     methods = {f"{name}" + ("" if layer is None else f" layer {layer}"): [0, 0] for name, layer in runs}
     heads: dict[str, list[int]] = {}
     baselines = {"random map": [0, 0], "uniform map (expected)": [0.0, 0], "centre patch": [0, 0]}
+    left_out = 0
     for item in items:
-        region = patch_region(item.object_pixels, grid)
         pixels = model.processor.image(item.image)[None]
+        region = item.region(pixels, grid)
+        if not region.any():
+            left_out += 1
+            continue
         for (name, layer), key in zip(runs, methods):
             explanation = explain_pixels(model, pixels, item.question, name, layer=layer)
             methods[key][0] += hit(explanation.patch_map(), region)
@@ -114,7 +144,7 @@ def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict]:
         baselines["centre patch"][0] += bool(region[grid[0] // 2, grid[1] // 2])
         for counts in baselines.values():
             counts[1] += 1
-    return methods, heads, baselines
+    return methods, heads, baselines, left_out
 
 
 def rate(counts) -> float:
@@ -159,11 +189,12 @@ def main() -> None:
             raise SystemExit(f"error: --shapes-dir: {err}") from None
     if not items:
         raise SystemExit(f"error: --data {args.data}: no question about one object")
-    methods, heads, baselines = score(model, items, args.seed)
+    methods, heads, baselines, left_out = score(model, items, args.seed)
     print(report(methods, heads, baselines))
+    print(f"\n{len(items)} questions; {left_out} left out: their object has no patch")
     if args.json is not None:
-        args.json.write_text(json.dumps({"model": str(args.model), "data": args.data, "methods": methods,
-                                         "heads": heads, "baselines": baselines}, indent=1))
+        args.json.write_text(json.dumps({"model": str(args.model), "data": args.data, "methods": methods, "heads": heads,
+                                         "baselines": baselines, "questions": len(items), "left_out": left_out}, indent=1))
 
 
 if __name__ == "__main__":

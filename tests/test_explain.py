@@ -183,11 +183,11 @@ def test_the_command_refuses_an_unknown_answer_in_one_line(saved, tmp_path, caps
 
 def test_pointing_hits_where_the_maximum_falls_on_the_object():
     pointing = load_script("pointing_game")
-    pixels = np.zeros((8, 8), dtype=bool)
-    pixels[0:2, 4:6] = True  # the object's pixels: patch (0, 1) of a 2x2 grid... (0, 2) of a 4x4 one
-    region = pointing.patch_region(pixels, (4, 4))
+    where = np.zeros((8, 8), dtype=bool)
+    where[0:2, 4:6] = True  # patch (0, 2) of a 4x4 grid, (0, 1) of a 2x2 one
+    region = pointing.patch_region(where, (4, 4))
     assert region.sum() == 1 and region[0, 2]
-    assert pointing.patch_region(pixels, (2, 2)).tolist() == [[False, True], [False, False]]
+    assert pointing.patch_region(where, (2, 2)).tolist() == [[False, True], [False, False]]
     peak = np.zeros((4, 4))
     peak[0, 2] = 1.0
     assert pointing.hit(peak, region)
@@ -195,12 +195,14 @@ def test_pointing_hits_where_the_maximum_falls_on_the_object():
     assert not pointing.hit(np.zeros((4, 4)), region)  # a flat map points at its first patch
 
 
-def test_pointing_scores_count_every_question_for_every_method_and_baseline(model, image):
+def test_pointing_scores_count_every_question_for_every_method_and_baseline(model):
     pointing = load_script("pointing_game")
-    object_pixels = np.zeros((32, 32), dtype=bool)
-    object_pixels[8:24, 8:24] = True  # the centre 2x2 patches of the 4x4 grid
-    items = [pointing.Item(np.asarray(image), q, object_pixels) for q in QUESTIONS]
-    methods, heads, baselines = pointing.score(model, items, seed=0)
+    scene = np.full((32, 32, 3), 255, dtype=np.uint8)
+    scene[8:24, 8:24] = (200, 30, 30)  # a red square on the centre 2x2 patches of the 4x4 grid
+    items = [pointing.Item(scene, q) for q in QUESTIONS]
+    empty = pointing.Item(np.full((32, 32, 3), 255, dtype=np.uint8), QUESTIONS[0])
+    methods, heads, baselines, left_out = pointing.score(model, items + [empty], seed=0)
+    assert left_out == 1  # nothing to point at
     assert set(methods) == {"attention layer 0", "attention layer 1", "gradcam layer 0", "gradcam layer 1",
                             "rollout", "input_gradient"}
     assert all(total == len(items) and 0 <= hits <= total for hits, total in methods.values())
@@ -216,5 +218,9 @@ def test_shapes_questions_about_one_object_point_at_its_cell():
     items = list(pointing.shapes_items(SHARED / "data" / "shapes", 64))
     assert 0 < len(items) < 64 and all(not item.question.startswith("(") for item in items)  # English, as asked
     for item in items:
-        rows, cols = np.nonzero(item.object_pixels)
-        assert len(rows) > 0 and len(set(rows // 10)) == 1 and len(set(cols // 10)) == 1  # inside one 10 px cell
+        rows, cols = np.nonzero(item.cell)
+        assert len(rows) == 100 and len(set(rows // 10)) == 1 and len(set(cols // 10)) == 1  # one 10 px cell
+        assert item.image[item.cell].max() >= 0.3 * 255  # which holds an object
+        region = item.region(None, (3, 3))
+        assert region.sum() == 1 and region[rows[0] // 10, cols[0] // 10]
+        assert item.region(None, (6, 6)).sum() == 4
