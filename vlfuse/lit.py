@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassAccuracy
 
-from vlfuse import model_io
+from vlfuse import model_card, model_io
 from vlfuse.data import IGNORE_INDEX, AnswerVocab, GroupedVQADataset
 from vlfuse.data.answers import quoted
 from vlfuse.datamodules import VQADataModule
@@ -304,7 +304,8 @@ class ExportBestModel(Callback):
     Under DDP every rank loads the best weights (so that what follows, e.g. a test, uses them),
     rank 0 alone writes the directory, and every rank waits at a barrier until it is written. The
     folder is written atomically (a kill leaves the old model or the new one), and a folder that
-    is not a vlfuse model is never replaced (:func:`vlfuse.model_io.write_model_folder`).
+    is not a vlfuse model is never replaced (:func:`vlfuse.model_io.write_model_folder`). Its model card
+    records the run (:func:`vlfuse.model_card.fit_record`, from :attr:`run` where ``vlfuse fit`` sets it).
 
     Args:
         dirpath: where to write the model; default ``<trainer.default_root_dir>/model``. ``vlfuse fit``
@@ -316,6 +317,7 @@ class ExportBestModel(Callback):
     def __init__(self, dirpath: str | None = None) -> None:
         self.dirpath = dirpath
         self.exported_to: Path | None = None
+        self.run: model_card.RunRecord | None = None  # vlfuse fit's command, config and seed, for the model card
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: VLFuseLitModule) -> None:
         checkpoint = trainer.checkpoint_callback
@@ -325,7 +327,7 @@ class ExportBestModel(Callback):
             pl_module.load_state_dict(state)
         target = Path(self.dirpath or Path(trainer.default_root_dir) / "model")
         if trainer.is_global_zero:
-            pl_module.model.save_pretrained(target)
+            pl_module.model.save_pretrained(target, run=model_card.fit_record(trainer, self.run))
             source = f"best checkpoint {best}" if best else "final weights"
             rank_zero_info(f"vlfuse: saved the model ({source}) to {target}")
         trainer.strategy.barrier("ExportBestModel")

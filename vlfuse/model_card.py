@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
+import os
 import platform
 import re
 import subprocess
@@ -174,10 +175,40 @@ def metrics_of(results: Mapping[str, Any], split: str, command: str | None, note
     counts = {unit: int(float(results[prefix + unit])) for unit in COUNTS if prefix + unit in results}
     unit, count = next(iter(counts.items()), (None, None))
     return [
-        Metric(split, key[len(prefix):], float(value), command, count, unit, note)
+        Metric(split, key[len(prefix):], float(f"{float(value):.7g}"), command, count, unit, note)  # float32: 7 digits
         for key, value in sorted(results.items())
         if key.startswith(prefix) and key[len(prefix):] not in COUNTS
     ]
+
+
+def fit_record(trainer: Any, base: RunRecord | None = None) -> RunRecord:
+    """The record of a Lightning fit that ends, for its model's card: ``base`` (what ``vlfuse fit``
+    knows: command, config, seed) with the data it read (train and val splits) and its validation
+    metric: the monitored one of the best checkpoint, whose weights are exported, else the last
+    epoch's ``val/*`` values."""
+    run = dataclasses.replace(base) if base is not None else RunRecord(seed=_global_seed())
+    datamodule = trainer.datamodule
+    if hasattr(datamodule, "records"):
+        options = ((run.config or {}).get("data") or {}).get("init_args")
+        run.data = describe_data(datamodule, ["train", "val"], options if isinstance(options, dict) else None)
+    logged = {key: value for key, value in trainer.callback_metrics.items()}
+    checkpoint = trainer.checkpoint_callback
+    best = getattr(checkpoint, "best_model_path", "")
+    score = getattr(checkpoint, "best_model_score", None)
+    monitor = getattr(checkpoint, "monitor", None) or ""
+    if best and score is not None and "/" in monitor:
+        split = monitor.split("/", 1)[0]
+        counted = metrics_of({**{k: v for k, v in logged.items() if k.startswith(f"{split}/")}, monitor: score}, split, run.command)
+        run.metrics = [dataclasses.replace(m, note=f"best checkpoint {Path(best).name}") for m in counted if f"{split}/{m.name}" == monitor]
+    else:
+        run.metrics = metrics_of(logged, "val", run.command, "final weights: the last epoch")
+    return run
+
+
+def _global_seed() -> int | None:
+    """The seed ``seed_everything`` set in this process (Lightning keeps it in ``PL_GLOBAL_SEED``)."""
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    return int(seed) if seed and seed.lstrip("-").isdigit() else None
 
 
 def describe_data(datamodule: Any, splits: Sequence[str], options: Mapping[str, Any] | None = None) -> dict[str, Any]:

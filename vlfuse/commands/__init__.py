@@ -68,6 +68,12 @@ SUBCOMMANDS = {
         "Write a saved answering model as an ONNX folder (model.onnx, tokenizer, answers) that onnxruntime runs "
         "without vlfuse's model code, optionally quantized to int8; checked against PyTorch before it is written.",
     ),
+    "card": Subcommand(
+        "vlfuse.commands.card",
+        "Print a saved model's card (its README.md: architecture, parameters, training data, metrics with the "
+        "command that measured them, versions, intended use), written from the folder's config.json; --write "
+        "rewrites README.md.",
+    ),
 }
 LIGHTNING = ("fit", "validate", "test")
 """The subcommands whose ``main`` takes the whole command line (Lightning parses the subcommand itself)."""

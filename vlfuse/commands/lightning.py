@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -22,7 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from vlfuse import runs
+from vlfuse import model_card, runs
 from vlfuse.callbacks import EpochSummary
 from vlfuse.captioning.lit import CaptionLitModule
 from vlfuse.checkpoint_io import AtomicCheckpointIO
@@ -140,6 +141,12 @@ class VLFuseCLI(LightningCLI):
             "run whose checkpoints --ckpt_path last|best means (default: <trainer.default_root_dir>/latest)",
         )
 
+    def parse_arguments(self, parser, args) -> None:
+        """Lightning's, keeping the command line for the model card (:attr:`command`)."""
+        given = sys.argv[1:] if args is None else args
+        self.command = f"vlfuse {shlex.join(map(str, given))}" if isinstance(given, (list, tuple)) else None
+        super().parse_arguments(parser, args)
+
     def before_instantiate_classes(self) -> None:
         set_threads(self.config[self.subcommand].threads)
 
@@ -185,6 +192,15 @@ class VLFuseCLI(LightningCLI):
         if self.run.leader:
             announce(self.run)
             runs.point_latest(self.run_root, self.run.folder)
+        exporter = self.exporter()
+        if exporter is not None:  # the model card's command, config and seed
+            config = yaml.safe_load(self._parser(self.subcommand).dump(self.config_as_given, skip_none=False))
+            seed = os.environ.get("PL_GLOBAL_SEED")
+            exporter.run = model_card.RunRecord(command=self.command, seed=int(seed) if seed else None, config=config)
+
+    def exporter(self) -> ExportBestModel | None:
+        """The trainer's :class:`ExportBestModel`, if it has one."""
+        return next((c for c in self.trainer.callbacks if isinstance(c, ExportBestModel)), None)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's trainer with :class:`AtomicCheckpointIO` among its plugins (see
@@ -209,8 +225,12 @@ class VLFuseCLI(LightningCLI):
         checkpoint = self.trainer.checkpoint_callback
         ckpt_path = "best" if isinstance(checkpoint, ModelCheckpoint) and checkpoint.best_model_path else None
         results = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=ckpt_path)
-        exporter = next((c for c in self.trainer.callbacks if isinstance(c, ExportBestModel)), None)
+        exporter = self.exporter()
         where = exporter.exported_to if exporter else None
+        if where is not None and results and self.trainer.is_global_zero:  # the card gains the test metrics
+            note = "best checkpoint" if ckpt_path else "final weights"
+            splits = model_card.describe_data(self.datamodule, ["test"])["splits"] if hasattr(self.datamodule, "records") else None
+            model_card.add_metrics(where, model_card.metrics_of(results[0], "test", self.command, note), splits)
         self._print_test_summary(results[0] if results else {}, f"; model saved to {where}")
 
     def after_test(self) -> None:

@@ -10,6 +10,7 @@ and the CPU latency of the fuser and of the whole model before and after.
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 import lightning as L
@@ -35,6 +36,7 @@ from vlfuse.analysis.pruning import (
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules.base import SPLITS
+from vlfuse import model_card
 from vlfuse.commands import SUBCOMMANDS
 from vlfuse.lit import finetune, lit_module_for
 from vlfuse.model import VLFuseModel
@@ -95,6 +97,35 @@ def print_scores(name: str, scores: torch.Tensor, heads: dict[int, list[int]]) -
         values = " ".join("-" if value != value else f"{value:.3g}" for value in row)  # NaN: removed before
         print(f"  layer {layer} {name} scores by head: {values}")
         print(f"  layer {layer} pruned heads: {heads.get(layer, [])}")
+
+
+def pruning_record(
+    args: argparse.Namespace, argv: list[str], config: dict, datamodule, splits: list[str], accuracies: dict[str, float],
+    questions: int, rule: str, model: VLFuseModel, pruned: VLFuseModel,
+) -> model_card.RunRecord:
+    """What the pruned model's card says of this run: the command, the data, the accuracy of the
+    saved model (the last stage) and the model it was pruned from."""
+    command = f"vlfuse prune {shlex.join(argv)}"
+    stage, accuracy = list(accuracies.items())[-1]
+    eval_split = args.eval_split or args.split
+    parent = model.run_record.command if model.run_record is not None else None
+    notes = [
+        f"pruned {sum(heads_per_layer(model)) - sum(heads_per_layer(pruned))} of {sum(heads_per_layer(model))} "
+        f"cross-attention heads: {rule} of the {args.score} scores on {args.split}",
+        f"{eval_split} accuracy before pruning: {accuracies['before']:.4f} ({questions} questions)",
+    ]
+    if args.finetune_epochs:
+        notes.append(f"fine-tuned {args.finetune_epochs} epoch(s) on train after pruning")
+    data = config.get("data") or {}
+    return model_card.RunRecord(
+        command=command,
+        seed=config.get("seed_everything", 0) if args.finetune_epochs else None,
+        data=model_card.describe_data(datamodule, splits, data.get("init_args") if isinstance(data, dict) else None),
+        metrics=[model_card.Metric(eval_split, "acc", accuracy, command, questions, "questions", stage)],
+        config=config,
+        derived_from=f"{args.model}" + (f" (trained by `{parent}`)" if parent else ""),
+        notes=notes,
+    )
 
 
 # --------------------------------------------------------------------------------- command
@@ -179,9 +210,10 @@ def main(argv: list[str]) -> int:
         *accuracy_rows(eval_split, questions, accuracies),
         *latency_rows(model, pruned, take_questions(eval_batches, args.latency_questions), args.latency_repeats),
     ]
-    pruned.save_pretrained(args.out)
-
     rule = f"fraction {args.fraction}" if args.fraction is not None else f"threshold {args.threshold}"
+    splits = [*(["train"] if args.finetune_epochs else []), *dict.fromkeys([args.split, eval_split])]
+    pruned.save_pretrained(args.out, run=pruning_record(args, argv, config, datamodule, splits, accuracies, questions, rule, model, pruned))
+
     print(f"vlfuse prune: {args.score} scores on {args.split} ({len(score_batches)} batches), {rule}")
     print_scores(args.score, scores, heads)
     print()
