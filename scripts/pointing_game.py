@@ -1,15 +1,15 @@
 """The pointing game: how often an explanation's maximum falls on the object the question is about.
 
 For each question whose answer depends on one object, each method of :mod:`vlfuse.analysis.explain`
-draws its map of the whole question; a hit is a maximum in a patch of the object.
+draws its map of the whole question; a hit is a maximum in a patch of the object, by two rules
+(:data:`SHARES`): the patch touches the object, or at least 25% of it is the object.
 Reported per method and layer, per head (attention, gradcam), against three baselines: a random
 map (the patch of its maximum drawn at random, seeded), the uniform map (its ties broken at
 random: the expected hit rate is the share of the patches that are the object's) and the centre patch.
 
 - ``--data easy_vqa``: the easy-VQA **test** split, "what shape / what color" questions; the image
-  holds one shape, whose patches are those with at least 25% of their pixels off the background (in
-  the image as the model sees it), as ``vlfuse analyze`` counts object patches
-  (:func:`vlfuse.analysis.head_stats.object_cells`).
+  holds one shape, whose pixels are those off the background (in the image as the model sees it),
+  as ``vlfuse analyze`` counts them (:func:`vlfuse.analysis.head_stats.object_cells`).
 - ``--data shapes``: SHAPES **val** (never test), questions ``(is A B)`` whose first argument ``A``
   names exactly one cell of the scene (read from the image, :func:`vlfuse.data.shapes.read_scene`);
   the object's patches are those over that cell.
@@ -40,13 +40,16 @@ from vlfuse.data.shapes import CELL, denotation, load_released_split, parse_quer
 from vlfuse.datamodules.shapes import find_shapes_dir
 
 RULES = HeadRules()
-"""Which patches hold an object: ``pixel_tolerance`` and ``cell_share``, as ``vlfuse analyze`` counts them."""
+"""Which pixels are foreground: ``pixel_tolerance``, as ``vlfuse analyze`` counts them."""
+SHARES = {"patch touches the object": 1e-6, "patch >= 25% object": RULES.cell_share}
+"""The two rules for a patch of the object: the share of its pixels (in the image as the model sees
+it) that are foreground; the second is ``vlfuse analyze``'s object patch."""
 
 
 @dataclass
 class Item:
-    """One question about an image that holds one object: its patches are the object patches
-    (:func:`object_cells`: at least 25% of the patch's pixels foreground, as ``vlfuse analyze`` counts them).
+    """One question about an image that holds one object: its patches are those with foreground
+    pixels (:func:`object_cells`).
 
     Attributes:
         image: ``(H, W, 3)`` uint8.
@@ -56,9 +59,10 @@ class Item:
     image: np.ndarray
     question: str
 
-    def region(self, pixels: torch.Tensor, grid: tuple[int, int]) -> np.ndarray:
-        """``(rows, cols)`` bool: the patches of the object, in ``pixels`` ``(1, 3, S, S)`` as the model sees the image."""
-        objects = object_cells(pixels, grid, tolerance=RULES.pixel_tolerance, min_share=RULES.cell_share)
+    def region(self, pixels: torch.Tensor, grid: tuple[int, int], share: float) -> np.ndarray:
+        """``(rows, cols)`` bool: the patches at least ``share`` of whose pixels are foreground, in
+        ``pixels`` ``(1, 3, S, S)`` as the model sees the image."""
+        objects = object_cells(pixels, grid, tolerance=RULES.pixel_tolerance, min_share=share)
         return objects[0].reshape(grid).numpy()
 
 
@@ -72,7 +76,8 @@ class CellItem(Item):
 
     cell: np.ndarray
 
-    def region(self, pixels: torch.Tensor, grid: tuple[int, int]) -> np.ndarray:
+    def region(self, pixels: torch.Tensor, grid: tuple[int, int], share: float) -> np.ndarray:
+        """The patches over the cell (it holds an object, by the scene): ``share`` has no part."""
         return patch_region(self.cell, grid)
 
 
@@ -113,56 +118,62 @@ def shapes_items(data_dir: Path, limit_images: int | None) -> Iterator[Item]:
 
 
 def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict, int]:
-    """Hit counts per method and layer, per head, and of the baselines, each ``{name: [hits, questions]}``,
-    and the number of questions left out because no patch holds enough of the object."""
+    """Hit counts per method and layer, per head, and of the baselines, each ``{name: [hits by each of
+    SHARES, questions]}``, and the number of questions left out because their object has no patch."""
     grid = tuple(model.image_encoder.grid_size)
     rng = np.random.default_rng(seed)
     layers = range(model.num_fusion_layers)
     runs = [(name, layer) for name in METHODS for layer in (layers if METHODS[name].per_layer else [None])]
-    methods = {f"{name}" + ("" if layer is None else f" layer {layer}"): [0, 0] for name, layer in runs}
-    heads: dict[str, list[int]] = {}
-    baselines = {"random map": [0, 0], "uniform map (expected)": [0.0, 0], "centre patch": [0, 0]}
+    methods = {f"{name}" + ("" if layer is None else f" layer {layer}"): [0] * (len(SHARES) + 1) for name, layer in runs}
+    heads: dict[str, list] = {}
+    baselines = {name: [0] * (len(SHARES) + 1) for name in ("random map", "uniform map (expected)", "centre patch")}
     left_out = 0
+
+    def count(counts: list, value) -> None:
+        for i, region in enumerate(regions):
+            counts[i] += value(region)
+        counts[-1] += 1
+
     for item in items:
         pixels = model.processor.image(item.image)[None]
-        region = item.region(pixels, grid)
-        if not region.any():
+        regions = [item.region(pixels, grid, share) for share in SHARES.values()]
+        if not all(region.any() for region in regions):
             left_out += 1
             continue
         for (name, layer), key in zip(runs, methods):
             explanation = explain_pixels(model, pixels, item.question, name, layer=layer)
-            methods[key][0] += hit(explanation.patch_map(), region)
-            methods[key][1] += 1
+            count(methods[key], lambda region: hit(explanation.patch_map(), region))
             if layer is not None:
                 per_head = explanation.token_patch_maps().mean(1)  # (H, rows, cols): each head's question map
                 for label, head_map in zip(explanation.heads, per_head):
-                    counts = heads.setdefault(f"{name} layer {layer} {label}", [0, 0])
-                    counts[0] += hit(head_map, region)
-                    counts[1] += 1
-        baselines["random map"][0] += hit(rng.random(grid), region)
-        baselines["uniform map (expected)"][0] += float(region.mean())
-        baselines["centre patch"][0] += bool(region[grid[0] // 2, grid[1] // 2])
-        for counts in baselines.values():
-            counts[1] += 1
+                    count(heads.setdefault(f"{name} layer {layer} {label}", [0] * (len(SHARES) + 1)),
+                          lambda region: hit(head_map, region))
+        random_map = rng.random(grid)
+        count(baselines["random map"], lambda region: hit(random_map, region))
+        count(baselines["uniform map (expected)"], lambda region: float(region.mean()))
+        count(baselines["centre patch"], lambda region: bool(region[grid[0] // 2, grid[1] // 2]))
     return methods, heads, baselines, left_out
 
 
-def rate(counts) -> float:
-    return counts[0] / counts[1] if counts[1] else float("nan")
+def rates(counts: list) -> list[str]:
+    """The hit rate by each of SHARES, formatted."""
+    return [f"{hits / counts[-1]:.4f}" if counts[-1] else "nan" for hits in counts[:-1]]
 
 
 def report(methods: dict, heads: dict, baselines: dict) -> str:
-    """The markdown tables: methods and baselines, then the best and worst head of each layer."""
-    rows = [[name, f"{rate(c):.4f}", str(c[1])] for name, c in methods.items()]
-    rows += [[f"baseline: {name}", f"{rate(c):.4f}", str(c[1])] for name, c in baselines.items()]
-    lines = [markdown_table(["method", "pointing hit rate", "questions"], rows), ""]
+    """The markdown tables: methods and baselines, then the best, worst and median head of each layer
+    (by the first of SHARES)."""
+    columns = [f"hit rate: {name}" for name in SHARES]
+    rows = [[name, *rates(c), str(c[-1])] for name, c in methods.items()]
+    rows += [[f"baseline: {name}", *rates(c), str(c[-1])] for name, c in baselines.items()]
+    lines = [markdown_table(["method", *columns, "questions"], rows), ""]
     by_layer: dict[str, list[tuple[float, str]]] = {}
     for key, counts in heads.items():
         layer_key, head = key.rsplit(" head ", 1)
-        by_layer.setdefault(layer_key, []).append((rate(counts), head))
+        by_layer.setdefault(layer_key, []).append((counts[0] / counts[-1], head))
     head_rows = [[layer_key, f"head {max(v)[1]}: {max(v)[0]:.4f}", f"head {min(v)[1]}: {min(v)[0]:.4f}",
                   f"{np.median([r for r, _ in v]):.4f}"] for layer_key, v in by_layer.items()]
-    lines.append(markdown_table(["heads of", "best head", "worst head", "median head"], head_rows))
+    lines.append(markdown_table([f"heads of ({next(iter(SHARES))})", "best head", "worst head", "median head"], head_rows))
     return "\n".join(lines)
 
 

@@ -198,18 +198,30 @@ def test_pointing_hits_where_the_maximum_falls_on_the_object():
 def test_pointing_scores_count_every_question_for_every_method_and_baseline(model):
     pointing = load_script("pointing_game")
     scene = np.full((32, 32, 3), 255, dtype=np.uint8)
-    scene[8:24, 8:24] = (200, 30, 30)  # a red square on the centre 2x2 patches of the 4x4 grid
+    scene[8:24, 8:24] = (200, 30, 30)  # a red square on the centre 2x2 patches of the 4x4 grid, by both rules
     items = [pointing.Item(scene, q) for q in QUESTIONS]
     empty = pointing.Item(np.full((32, 32, 3), 255, dtype=np.uint8), QUESTIONS[0])
     methods, heads, baselines, left_out = pointing.score(model, items + [empty], seed=0)
     assert left_out == 1  # nothing to point at
     assert set(methods) == {"attention layer 0", "attention layer 1", "gradcam layer 0", "gradcam layer 1",
                             "rollout", "input_gradient"}
-    assert all(total == len(items) and 0 <= hits <= total for hits, total in methods.values())
+    assert all(total == len(items) and 0 <= touch <= total and strict <= touch
+               for touch, strict, total in methods.values())
     assert len(heads) == 4 * HEADS
-    assert baselines["uniform map (expected)"][0] == pytest.approx(len(items) * 4 / 16)
-    assert baselines["centre patch"][0] == len(items)  # patch (2, 2) is the object's
+    assert baselines["uniform map (expected)"][:2] == pytest.approx([len(items) * 4 / 16] * 2)
+    assert baselines["centre patch"] == [len(items)] * 3  # patch (2, 2) is the object's
     assert "| baseline: random map |" in pointing.report(methods, heads, baselines)
+
+
+def test_a_patch_touching_the_object_counts_by_the_first_rule_only():
+    pointing = load_script("pointing_game")
+    scene = np.full((1, 3, 32, 32), 1.0)
+    scene[..., 8:16, 8:10] = 0.0  # the object covers 2 of the 8 columns of patch (1, 1): 25%
+    scene[..., 8:16, 16:17] = 0.0  # and 1 column of patch (1, 2): 12.5%
+    item = pointing.Item(np.zeros((32, 32, 3), dtype=np.uint8), QUESTION)
+    touches, strict = (item.region(torch.as_tensor(scene).float(), (4, 4), s) for s in pointing.SHARES.values())
+    assert np.argwhere(touches).tolist() == [[1, 1], [1, 2]]
+    assert np.argwhere(strict).tolist() == [[1, 1]]
 
 
 def test_shapes_questions_about_one_object_point_at_its_cell():
@@ -221,6 +233,6 @@ def test_shapes_questions_about_one_object_point_at_its_cell():
         rows, cols = np.nonzero(item.cell)
         assert len(rows) == 100 and len(set(rows // 10)) == 1 and len(set(cols // 10)) == 1  # one 10 px cell
         assert item.image[item.cell].max() >= 0.3 * 255  # which holds an object
-        region = item.region(None, (3, 3))
+        region = item.region(None, (3, 3), 0.25)
         assert region.sum() == 1 and region[rows[0] // 10, cols[0] // 10]
-        assert item.region(None, (6, 6)).sum() == 4
+        assert item.region(None, (6, 6), 0.25).sum() == 4
