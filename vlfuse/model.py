@@ -165,7 +165,7 @@ class VLFuseOutput:
     auxiliary_loss: torch.Tensor | None = None
 
 
-class VLFuseModel(nn.Module, hub.HubMixin, pipeline_tag="visual-question-answering"):
+class VLFuseModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(model_io.MODEL_TYPE)):
     """A vision-language fusion model for answer classification.
 
     Image tokens (timm ViT) and question tokens (transformers encoder) are projected to

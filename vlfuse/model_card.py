@@ -44,10 +44,17 @@ TAGS = ("vlfuse", "vision-language", "cross-attention")
 """Tags of every vlfuse model (the Hub mixin adds ``model_hub_mixin``)."""
 
 KINDS = {
-    model_io.MODEL_TYPE: ("visual-question-answering", "visual question answering model"),
-    "vlfuse-caption": ("image-to-text", "image captioning model"),
+    model_io.MODEL_TYPE: ("visual-question-answering", "visual question answering model", ()),
+    "vlfuse-caption": ("image-to-text", "image captioning model", ("image-captioning",)),
 }
-"""``model_type`` -> (the Hub's pipeline tag, what the model is)."""
+"""``model_type`` -> (the Hub's pipeline tag, what the model is, its tags besides :data:`TAGS`)."""
+
+
+def hub_metadata(model_type: str) -> dict[str, Any]:
+    """The Hub mixin's class options of a model of ``model_type`` (``class M(nn.Module, HubMixin, **hub_metadata(...))``):
+    the pipeline tag and tags its cards carry."""
+    pipeline, _, tags = KINDS[model_type]
+    return {"pipeline_tag": pipeline, "tags": [pipeline, *tags]}
 
 METRICS = {
     "acc": ("accuracy", "accuracy"),
@@ -328,7 +335,7 @@ class Facts:
     def __init__(self, folder: Path, meta: Mapping[str, Any]) -> None:
         self.folder, self.meta = folder, meta
         self.model_type = meta["model_type"]
-        self.pipeline, self.kind = KINDS[self.model_type]
+        self.pipeline, self.kind, self.tags = KINDS[self.model_type]
         card = meta.get(CARD_KEY) or {}
         self.card = card if isinstance(card, dict) else {}
         self.run = read_run(meta)
@@ -352,7 +359,7 @@ class Facts:
         return ModelCardData(
             library_name="vlfuse",
             pipeline_tag=self.pipeline,
-            tags=sorted({*TAGS, "model_hub_mixin", self.pipeline}),
+            tags=sorted({*TAGS, "model_hub_mixin", self.pipeline, *self.tags}),
             datasets=[self.dataset] if self.dataset else None,
             metrics=sorted({r.metric_type for r in results}) or None,
             model_name=self.title if results else None,

@@ -67,7 +67,7 @@ class CaptionConfig:
         return cls(image=ImageEncoderConfig(**data.pop("image", {})), **data)
 
 
-class CaptionModel(nn.Module, hub.HubMixin, pipeline_tag="image-to-text", tags=["image-captioning"]):
+class CaptionModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(MODEL_TYPE)):
     """Writes a caption for an image: a timm ViT encodes the image, a causal decoder of fusion
     blocks (:class:`~vlfuse.heads.caption_decoder.CaptionDecoder`) writes the words, each of them
     attending to the image patches with 16-head cross-attention.
