@@ -236,3 +236,22 @@ def test_shapes_questions_about_one_object_point_at_its_cell():
         region = item.region(None, (3, 3), 0.25)
         assert region.sum() == 1 and region[rows[0] // 10, cols[0] // 10]
         assert item.region(None, (6, 6), 0.25).sum() == 4
+
+
+def test_a_heads_pointing_score_is_the_share_of_rows_whose_largest_patch_is_an_object():
+    """``vlfuse analyze``'s pointing column (vlfuse.analysis.head_stats), by hand on 2 heads, 1 prefix token, 4 cells."""
+    from vlfuse.analysis.head_stats import HeadStatsAccumulator, object_pointing
+
+    weights = torch.tensor([
+        [[0.6, 0.1, 0.2, 0.05, 0.05], [0.1, 0.1, 0.1, 0.6, 0.1]],  # head 0's largest patch is cell 1 (prefix aside)
+        [[0.0, 0.7, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]],  # a tie points at the first cell
+    ])  # (N=2 rows, H=2, 1 + 4 keys)
+    objects = torch.tensor([[False, True, False, False], [True, False, False, False]])  # (N, cells)
+    by_hand = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    torch.testing.assert_close(object_pointing(weights, objects, 1), by_hand)
+    accumulator = HeadStatsAccumulator(2, (2, 2), 1)
+    accumulator.update(weights, objects)
+    torch.testing.assert_close(accumulator.result().pointing, torch.tensor([1.0, 0.5]))
+    accumulator = HeadStatsAccumulator(2, (2, 2), 1)
+    accumulator.update(weights)
+    assert accumulator.result().pointing.isnan().all()  # no object masks, no score

@@ -17,6 +17,9 @@ Definitions (all averaged over query rows):
   neighbourhood);
 - object mass: the share of ``q`` on cells that hold an object (:func:`object_cells`); its lift is
   object mass / object area, the share of cells that hold an object (1 for a uniform map);
+- pointing: whether the head's largest patch weight falls on a cell that holds an object (the
+  pointing game, as ``scripts/pointing_game.py`` plays it for whole questions): its mean is the
+  head's hit rate;
 - agreement: the Bhattacharyya coefficient ``sum_k sqrt(p_k p'_k)`` of two heads' distributions
   (1 for identical distributions, 0 for disjoint ones), averaged over the other heads of the layer;
 - contribution: the norm of a head's share of the attention output, its attention-weighted values
@@ -107,6 +110,14 @@ def object_mass(weights: torch.Tensor, objects: torch.Tensor, num_prefix_tokens:
     return (q * objects[:, None, :].to(q.dtype)).sum(-1)
 
 
+def object_pointing(weights: torch.Tensor, objects: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+    """Whether each head's largest patch weight is on an object cell: ``(N, H, Lk), (N, cells) -> (N, H)`` float 0/1."""
+    patches = weights[..., num_prefix_tokens:]  # (N, H, cells)
+    if objects.shape != (patches.shape[0], patches.shape[-1]):
+        raise ValueError(f"objects must be (queries, cells) = {(patches.shape[0], patches.shape[-1])}, got {tuple(objects.shape)}")
+    return objects.gather(1, patches.argmax(-1)).to(weights.dtype)  # (N, H)
+
+
 def head_agreement(weights: torch.Tensor) -> torch.Tensor:
     """Bhattacharyya coefficient of every pair of heads, per row: ``(N, H, Lk) -> (N, H, H)``, in [0, 1]."""
     _check_weights(weights)
@@ -162,6 +173,7 @@ class HeadStats:
     Attributes:
         entropy, top_patch_mass, prefix_mass, distance, object_mass, agreement: see the module.
         object_lift: object mass / object area (NaN without object masks).
+        pointing: share of query rows whose largest patch weight is on an object cell (NaN without object masks).
         contribution: output norm / the mean over heads (NaN without output norms).
         modal_key: the image token that is most often a head's top token.
         modal_share: share of query rows whose top token is ``modal_key``.
@@ -177,6 +189,7 @@ class HeadStats:
     distance: torch.Tensor
     object_mass: torch.Tensor
     object_lift: torch.Tensor
+    pointing: torch.Tensor
     agreement: torch.Tensor
     contribution: torch.Tensor
     modal_key: torch.Tensor
@@ -200,7 +213,7 @@ class HeadStatsAccumulator:
         num_prefix_tokens: image tokens before the patch tokens.
     """
 
-    _ROW_STATS = ("entropy", "top_patch_mass", "prefix_mass", "distance", "object_mass", "output_norm")
+    _ROW_STATS = ("entropy", "top_patch_mass", "prefix_mass", "distance", "object_mass", "pointing", "output_norm")
 
     def __init__(self, num_heads: int, grid: tuple[int, int], num_prefix_tokens: int) -> None:
         self.num_heads, self.grid, self.num_prefix_tokens = num_heads, tuple(grid), num_prefix_tokens
@@ -239,6 +252,7 @@ class HeadStatsAccumulator:
         self.rows["all"] += n
         if objects is not None:
             self._add("object_mass", object_mass(w, objects, prefix))
+            self._add("pointing", object_pointing(w, objects, prefix))
             self.object_area += float(objects.double().mean(-1).sum())
             self.rows["objects"] += n
         if output_norms is not None:
@@ -257,6 +271,7 @@ class HeadStatsAccumulator:
         mean = {name: self.sums[name] / n for name in ("entropy", "top_patch_mass", "prefix_mass", "distance")}
         objects, outputs = self.rows["objects"], self.rows["outputs"]
         obj_mass = self.sums["object_mass"] / objects if objects else nan
+        pointing = self.sums["pointing"] / objects if objects else nan
         area = self.object_area / objects if objects else float("nan")
         lift = obj_mass / area if area > 0 else nan
         norms = self.sums["output_norm"] / outputs if outputs else nan
@@ -273,6 +288,7 @@ class HeadStatsAccumulator:
             distance=mean["distance"].float(),
             object_mass=obj_mass.float(),
             object_lift=lift.float(),
+            pointing=pointing.float(),
             agreement=((agreement.sum(1) - agreement.diagonal()) / others).float(),
             contribution=contribution.float(),
             modal_key=modal_key,

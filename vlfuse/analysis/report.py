@@ -28,6 +28,7 @@ STATISTICS = {
     "distance": ("distance", "{:.2f}"),
     "object mass": ("object_mass", "{:.3f}"),
     "object lift": ("object_lift", "{:.2f}"),
+    "pointing": ("pointing", "{:.3f}"),
     "agreement": ("agreement", "{:.3f}"),
     "contribution": ("contribution", "{:.2f}"),
 }
@@ -155,6 +156,8 @@ def _definitions(collection: HeadCollection, rules: HeadRules) -> list[str]:
         "neighbourhood gives 1.07).",
         "- **object mass**: the share of the renormalised patch weights on object cells; **object lift**: "
         "object mass / object area (1 = no preference for objects).",
+        "- **pointing**: the share of query rows whose largest patch weight is on an object cell (the "
+        "pointing game's hit rate for this head; the object-area share is what a random patch would score).",
         "- **agreement**: the Bhattacharyya coefficient sum sqrt(p q) between this head's distribution "
         "and each other head's of the layer, averaged (1 = identical, 0 = disjoint).",
         "- **contribution**: the norm of the head's share of the attention output (its attention-weighted "
