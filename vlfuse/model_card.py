@@ -26,6 +26,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -158,7 +159,7 @@ class RunRecord:
                             ("notes", list), ("software", dict), ("weights_sha256", str)):
             value = getattr(record, name)
             if value is not None and not isinstance(value, kinds):
-                raise ValueError(f"card.run.{name} must be a {kinds.__name__}, got {type(value).__name__}")
+                raise ValueError(f"card.run.{name} must be of type {kinds.__name__}, got {type(value).__name__}")
         if not all(isinstance(m.value, (int, float)) and isinstance(m.split, str) and isinstance(m.name, str) for m in record.metrics):
             raise ValueError("card.run.metrics: each needs a split, a name and a number")
         return record
@@ -245,8 +246,9 @@ def software() -> dict[str, Any]:
     """The versions of vlfuse, Python and the libraries a model depends on, and vlfuse's git commit."""
     versions = {"vlfuse": vlfuse.__version__, "python": platform.python_version()}
     for name in SOFTWARE:
+        loaded = getattr(sys.modules.get(name), "__version__", None)  # torch's names its build: 2.14.1+cu130
         try:
-            versions[name] = importlib.metadata.version(name)
+            versions[name] = loaded or importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
     return {"versions": versions, "commit": git_commit()}
