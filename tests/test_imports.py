@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vlfuse"
 
 LAYERS = [
     ("vlfuse", "vlfuse.errors", "vlfuse.parts", "vlfuse.runtime", "vlfuse.commands"),
-    ("vlfuse.layers", "vlfuse.data", "vlfuse.model_io", "vlfuse.metrics"),
+    ("vlfuse.layers", "vlfuse.data", "vlfuse.model_io", "vlfuse.model_card", "vlfuse.hub", "vlfuse.metrics"),
     ("vlfuse.encoders", "vlfuse.datamodules", "vlfuse.baselines", "vlfuse.captioning.grammar", "vlfuse.captioning.metrics"),
     ("vlfuse.fusers", "vlfuse.heads", "vlfuse.processor"),
     ("vlfuse.model",),
