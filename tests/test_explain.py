@@ -255,3 +255,84 @@ def test_a_heads_pointing_score_is_the_share_of_rows_whose_largest_patch_is_an_o
     accumulator = HeadStatsAccumulator(2, (2, 2), 1)
     accumulator.update(weights)
     assert accumulator.result().pointing.isnan().all()  # no object masks, no score
+
+
+def tiny_caption_model():
+    from vlfuse.captioning import CaptionConfig, CaptionModel
+    from vlfuse.encoders import ImageEncoderConfig
+
+    torch.manual_seed(0)
+    config = CaptionConfig(image=ImageEncoderConfig(image_size=30, patch_size=10, width=32, depth=1, num_heads=2),
+                           dim=32, depth=2, heads=16, dropout=0.0, max_length=6)
+    return CaptionModel.from_config(config, ["a red square .", "there is a blue circle ."]).eval()
+
+
+@pytest.mark.parametrize("method", ["attention", "gradcam", "input_gradient"])
+def test_a_caption_gets_a_map_per_generated_word(method):
+    from vlfuse.analysis.explain_caption import explain_caption
+
+    model = tiny_caption_model()
+    pixels = torch.rand(1, 3, 30, 30, generator=torch.Generator().manual_seed(0))
+    e = explain_caption(model, pixels, method)
+    heads = 16 if method != "input_gradient" else 1
+    assert e.token_maps.shape == (heads, len(e.words), 1 + 9) and len(e.words) >= 1
+    assert e.caption_map.sum() == pytest.approx(1.0, abs=1e-5) and (e.token_maps >= 0).all()
+    if method == "attention":
+        np.testing.assert_allclose(e.token_maps.sum(-1), 1.0, atol=1e-5)
+
+
+def test_a_caption_words_gradcam_is_attention_times_its_logits_positive_gradient(monkeypatch):
+    """Word t's map: sum over the positions up to t of A * relu(dy_t/dA), against the gradient at the
+    weights the block used (float64: exact)."""
+    from vlfuse.analysis.explain_caption import explain_caption
+    from vlfuse.captioning import greedy
+
+    model = tiny_caption_model().double()
+    pixels = torch.rand(1, 3, 30, 30, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    e = explain_caption(model, pixels, "gradcam", layer=0)
+    [caption] = greedy(model, model.encode_images(pixels))
+    used = []
+
+    def keep_weights(*args, original=attention_module.attention_core, **kwargs):
+        out, weights = original(*args, **kwargs)
+        if weights is not None and weights.shape[-1] == 10:  # the cross-attention, over 1 + 9 image tokens
+            weights.retain_grad()
+            used.append(weights)
+        return out, weights
+
+    monkeypatch.setattr(attention_module, "attention_core", keep_weights)
+    ids = torch.tensor([caption.ids])
+    inputs = torch.cat([torch.full((1, 1), model.bos_id), ids[:, :-1]], dim=1)
+    logits = model.decode(inputs, model.encode_images(pixels), weights_from=[0]).logits[0]
+    t = len(caption.ids) - 1
+    logits[t, caption.ids[t]].backward()
+    weights = used[0]  # (1, H, T, Li): block 0
+    by_hand = (weights.detach() * weights.grad.clamp_min(0))[0, :, : t + 1].sum(1)  # (H, Li)
+    assert t >= 1 and float(by_hand.max()) > 0
+    np.testing.assert_allclose(e.token_maps[:, t], by_hand.float().numpy(), atol=1e-9 * float(by_hand.abs().max()))
+
+
+def test_rollout_does_not_explain_captions():
+    from vlfuse.analysis.explain_caption import explain_caption
+
+    with pytest.raises(ValueError, match="method 'rollout' does not explain captions .*causal self-attention"):
+        explain_caption(tiny_caption_model(), torch.rand(1, 3, 30, 30), "rollout")
+
+
+def test_the_command_explains_each_word_of_a_caption_model(tmp_path, capsys):
+    model_dir = tiny_caption_model().save_pretrained(tmp_path / "captions")
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(tmp_path / "scene.png")
+    out = tmp_path / "maps"
+    argv = ["explain", "--model", str(model_dir), "--image", str(tmp_path / "scene.png"), "--output", str(out)]
+    assert vlfuse_main(argv) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith("caption: ")
+    names = [f"scene_{m}_{kind}.png" for m in ("attention", "gradcam", "input_gradient") for kind in ("caption", "words")]
+    for name in names + ["scene.npz", "scene.json"]:
+        assert (out / name).is_file() and str(out / name) in printed.err, name
+    sidecar = json.loads((out / "scene.json").read_text())
+    with np.load(out / "scene.npz") as maps:
+        assert maps["gradcam_tokens"].shape == (16, len(sidecar["tokens"]), 10)
+    with pytest.raises(SystemExit) as usage:
+        vlfuse_main([*argv, "--question", "what is it?"])
+    assert usage.value.code == 2 and "is a caption model: it explains its own caption" in capsys.readouterr().err

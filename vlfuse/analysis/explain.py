@@ -251,6 +251,12 @@ METHODS: dict[str, type[ExplanationMethod]] = {
 """The explanation methods by name."""
 
 
+def distribution(values: torch.Tensor) -> torch.Tensor:
+    """``values`` ``(Li,)`` clamped at 0 and normalised to sum to 1 (uniform when nothing is left)."""
+    total = values.clamp_min(0)
+    return total / total.sum() if float(total.sum()) > 0 else torch.full_like(total, 1 / total.numel())
+
+
 def answer_index(model: VLFuseModel, answer: str | None) -> int | None:
     """The index of ``answer`` among the model's answers (``None`` stays ``None``: the predicted one)."""
     if answer is None:
@@ -312,9 +318,7 @@ def explain_pixels(
     runner = METHODS[method]()
     result = runner.run(model, inputs, chosen_layer)
     words = model.tokenizer.convert_ids_to_tokens(inputs.input_ids[0][inputs.text_mask[0]].tolist())
-    total = result.question_map.clamp_min(0)
-    length = total.numel()
-    question_map = total / total.sum() if float(total.sum()) > 0 else torch.full_like(total, 1 / length)
+    question_map = distribution(result.question_map)
     multi_head = result.token_maps is not None and runner.per_layer
     heads = [f"head {h}" for h in model.fusion_head_ids[chosen_layer]] if multi_head else [f"{method} (heads mixed)"]
     return Explanation(
@@ -336,26 +340,49 @@ def draw_explanation(explanation: Explanation, pixels: torch.Tensor, directory: 
     """Draw ``explanation`` over ``pixels`` ``(3, S, S)``: ``STEM_question.png`` (each head's map of
     the question and the whole question's) and ``STEM_words.png`` (each word's map, heads averaged,
     and the whole question's), one colour scale per figure. Returns the paths written."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    image = pixels.permute(1, 2, 0).float().cpu().numpy()  # (S, S, 3)
     e = explanation
     where = f"layer {e.layer}" if e.layer is not None else "all layers"
     title = f"{e.method}, {where}: -> {e.answer} ({e.probability:.2f})"
-    question = torch.as_tensor(e.question_map)[None]  # (1, Li)
-    figures = {"question": (question, ["whole question"])}
-    if e.token_maps is not None:
-        maps = torch.as_tensor(e.token_maps)  # (heads, T, Li)
-        scale = question.sum() / maps.mean((0, 1)).sum().clamp_min(1e-12)  # the question map's units
-        if len(e.heads) > 1:
-            figures["question"] = (torch.cat([maps.mean(1) * scale, question]), e.heads + ["whole question"])
-        words = [f"word {t}: {token!r}" for t, token in enumerate(e.tokens)]
-        figures["words"] = (torch.cat([maps.mean(0) * scale, question]), words + ["whole question"])
+    return draw_maps(pixels, e.question_map, e.token_maps, e.tokens, e.heads, e.grid, e.num_prefix_tokens,
+                     method=e.method, title=title, whole="question", directory=directory, stem=stem)
+
+
+def draw_maps(
+    pixels: torch.Tensor,
+    whole_map: np.ndarray,
+    token_maps: np.ndarray | None,
+    tokens: Sequence[str],
+    heads: Sequence[str],
+    grid: tuple[int, int],
+    num_prefix_tokens: int,
+    *,
+    method: str,
+    title: str,
+    whole: str,
+    directory: str | Path,
+    stem: str,
+) -> list[Path]:
+    """Draw a text's maps over ``pixels`` ``(3, S, S)``: ``STEM_WHOLE.png`` (``whole_map`` ``(Li,)``,
+    beside each head's mean over the tokens when there are several heads) and, with ``token_maps``
+    ``(heads, T, Li)``, ``STEM_words.png`` (each token's map, heads averaged). Returns the paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    image = pixels.permute(1, 2, 0).float().cpu().numpy()  # (S, S, 3)
+    whole_panel = torch.as_tensor(whole_map)[None]  # (1, Li)
+    label = f"whole {whole}"
+    figures = {whole: (whole_panel, [label])}
+    if token_maps is not None:
+        maps = torch.as_tensor(token_maps)  # (heads, T, Li)
+        scale = whole_panel.sum() / maps.mean((0, 1)).sum().clamp_min(1e-12)  # the whole map's units
+        if len(heads) > 1:
+            figures[whole] = (torch.cat([maps.mean(1) * scale, whole_panel]), list(heads) + [label])
+        words = [f"word {t}: {token!r}" for t, token in enumerate(tokens)]
+        figures["words"] = (torch.cat([maps.mean(0) * scale, whole_panel]), words + [label])
     paths = []
     for name, (panels, labels) in figures.items():
         figure = overlay_figure(
-            image, panels, labels, e.grid, e.num_prefix_tokens, title=title,
-            bar_label=f"{e.method} map (one scale for all panels)",
+            image, panels, labels, grid, num_prefix_tokens, title=title,
+            bar_label=f"{method} map (one scale for all panels)",
         )
         path = directory / f"{stem}_{name}.png"
         figure.savefig(path, dpi=80)
