@@ -51,7 +51,8 @@ SUBCOMMANDS = {
     "explain": Subcommand(
         "vlfuse.commands.explain",
         "Show where a saved model looked to answer one question (--image, --question): raw attention, attention x "
-        "gradient (Grad-CAM), rollout and input-gradient maps over the image, for the whole question and each word.",
+        "gradient (Grad-CAM), rollout and input-gradient maps over the image, for the whole question and each word; "
+        "for a caption model, each word of its caption.",
     ),
     "analyze": Subcommand(
         "vlfuse.commands.analyze",
