@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from tempfile import TemporaryDirectory
 from typing import Any, Callable
 
 from huggingface_hub import ModelHubMixin, snapshot_download
@@ -161,8 +162,6 @@ class HubMixin(ModelHubMixin, library_name="vlfuse", tags=list(model_card.TAGS))
 
     def generate_model_card(self, **model_card_kwargs) -> model_card.ModelCard:
         """The card :meth:`save_pretrained` would write now (the model is saved to a temporary folder)."""
-        from tempfile import TemporaryDirectory
-
         with TemporaryDirectory() as scratch:
             folder = self.save_pretrained(Path(scratch) / "model", model_card_kwargs=model_card_kwargs)
             return model_card.ModelCard((folder / model_io.CARD_FILE).read_text(encoding="utf-8"))
