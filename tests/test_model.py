@@ -55,7 +55,7 @@ def test_save_and_load_give_identical_logits(tmp_path):
     model.prune_heads({1: [0, 5]})
     model.eval()
     directory = model.save_pretrained(tmp_path / "m")
-    assert sorted(p.name for p in directory.iterdir()) == ["answers.json", "config.json", "model.safetensors", "tokenizer"]
+    assert sorted(p.name for p in directory.iterdir()) == ["README.md", "answers.json", "config.json", "model.safetensors", "tokenizer"]
     meta = json.loads((directory / "config.json").read_text())
     assert meta["format_version"] == 3
     assert meta["config"]["pruned_heads"] == {"1": [0, 5]}
