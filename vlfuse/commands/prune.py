@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from vlfuse import model_card
 from vlfuse.analysis.data import (
     add_data_arguments,
     build_datamodule,
@@ -36,7 +37,6 @@ from vlfuse.analysis.pruning import (
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules.base import SPLITS
-from vlfuse import model_card
 from vlfuse.commands import SUBCOMMANDS
 from vlfuse.lit import finetune, lit_module_for
 from vlfuse.model import VLFuseModel
