@@ -44,9 +44,17 @@ SETTINGS: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "passive waits, torch's threads": (VLFUSE, {"OMP_WAIT_POLICY": "PASSIVE"}, []),
     "OpenMP's default waits, 1 thread": (TORCH_FIRST, {}, ["--threads", "1"]),
     "vlfuse's default": (VLFUSE, {}, []),
+    "spin 1000 then sleep, torch's threads": (TORCH_FIRST, {"GOMP_SPINCOUNT": "1000"}, []),
+    "spin 10000 then sleep, torch's threads": (TORCH_FIRST, {"GOMP_SPINCOUNT": "10000"}, []),
+    "spin 100000 then sleep, torch's threads": (TORCH_FIRST, {"GOMP_SPINCOUNT": "100000"}, []),
 }
 """``{name: (how Python starts vlfuse, environment, extra options)}``; ``OMP_WAIT_POLICY`` is unset
-unless the environment gives it."""
+unless the environment gives it; ``spin N then sleep`` sets GNU OpenMP's ``GOMP_SPINCOUNT`` (how many
+times a waiting thread polls before it sleeps; 300000 by default)."""
+
+
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+"""The environment variables that set how OpenMP's threads wait: a trial has only those its setting gives."""
 
 
 def fit_command(root: Path, images: int | None, epochs: int | None, extra: list[str]) -> list[str]:
@@ -62,8 +70,8 @@ def fit_command(root: Path, images: int | None, epochs: int | None, extra: list[
 
 
 def environment(changes: dict[str, str]) -> dict[str, str]:
-    """This process's environment without ``OMP_WAIT_POLICY``, then with ``changes``."""
-    env = {name: value for name, value in os.environ.items() if name != "OMP_WAIT_POLICY"}
+    """This process's environment without ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT``, then with ``changes``."""
+    env = {name: value for name, value in os.environ.items() if name not in WAIT_SETTINGS}
     return {**env, **changes}
 
 

@@ -11,7 +11,7 @@ One thread loses little on an idle machine and never collapses on a loaded one, 
 ``vlfuse fit`` keeps torch's thread count (its runs are then the same on every machine with that many
 cores) and instead makes OpenMP's threads sleep as soon as they wait (:func:`prefer_passive_waits`):
 ``scripts/bench_threads_under_load.py`` measured ``fit`` 4.1x slower than its best beside two other
-trainings with OpenMP's default waits, 1.02x with passive ones, at 1.09x on an idle machine
+trainings with OpenMP's default waits, 1.02x with passive ones, at 1.04-1.09x on an idle machine
 (docs/results.md#threads-under-load).
 """
 
