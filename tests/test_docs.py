@@ -64,6 +64,7 @@ SHRINK = [
     (r"scripts/(accuracy_by_question|reworded_accuracy)\.py", ["--limit-images", "8"], "end"),
     (r"scripts/bench_training\.py", ["--batches", "1", "--repeats", "1", "--warmup", "0"], "end"),
     (r"scripts/bench_feature_cache\.py", ["--limit-images", "8", "--epochs", "2"], "end"),
+    (r"scripts/bench_lora\.py --steps", ["--steps", "1", "--rounds", "1"], "end"),
     (r"scripts/bench_lora\.py", ["--fit-args", "--trainer.max_epochs=1 --data.init_args.limit_images=8 "
                                  "--model.architecture.image.width=32 --model.architecture.image.depth=1"], "end"),
     (r"scripts/bench_pruning\.py", ["--questions", "4", "--repeats", "1", "--warmup", "0"], "end"),
