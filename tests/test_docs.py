@@ -62,6 +62,7 @@ SHRINK = [
     (r"vlfuse prune\b", ["--max-batches", "1", "--limit-images", "8", "--latency-questions", "4",
                          "--latency-repeats", "1"], "end"),
     (r"scripts/(accuracy_by_question|reworded_accuracy)\.py", ["--limit-images", "8"], "end"),
+    (r"scripts/pointing_game\.py", ["--limit-images", "8"], "end"),
     (r"scripts/bench_training\.py", ["--batches", "1", "--repeats", "1", "--warmup", "0"], "end"),
     (r"scripts/bench_feature_cache\.py", ["--limit-images", "8", "--epochs", "2"], "end"),
     (r"scripts/bench_lora\.py --steps", ["--steps", "1", "--rounds", "1"], "end"),
