@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 
 def process_running(pid: int) -> bool:
@@ -48,3 +49,19 @@ def fsync(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def replace_file(target: Path, temp: Path, write: Callable[[BinaryIO], None]) -> None:
+    """``write(file)`` into ``temp`` (beside ``target``), flush it to disk and rename it onto ``target``
+    (``os.replace``: atomic on one filesystem), so that a kill leaves the old file or the new one. On
+    any exception ``temp`` is removed and ``target`` is left as it was."""
+    try:
+        with open(temp, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync(target.parent)

@@ -39,17 +39,7 @@ def save_atomically(checkpoint: dict[str, Any], target: Path) -> None:
     file is removed and ``target`` is left as it was."""
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic.remove_abandoned(target.parent, f".{target.name}{TEMP_INFIX}")
-    temp = temp_path(target)
-    try:
-        with open(temp, "wb") as file:
-            torch.save(checkpoint, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, target)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    atomic.fsync(target.parent)
+    atomic.replace_file(target, temp_path(target), lambda file: torch.save(checkpoint, file))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -154,12 +154,17 @@ def make_staging(target: Path) -> Path:
     """Create the hidden folder ``.<target>.partial-<pid>-<random>`` beside ``target``, with the
     permissions of any new folder (the umask's, as the folder it replaces had)."""
     while True:
-        staging = target.with_name(f".{target.name}{STAGING}{os.getpid()}-{secrets.token_hex(4)}")
+        staging = staging_name(target)
         try:
             staging.mkdir()
             return staging
         except FileExistsError:
             continue
+
+
+def staging_name(target: Path) -> Path:
+    """A fresh hidden name beside ``target`` for this process to write it under: ``.<target>.partial-<pid>-<random>``."""
+    return target.with_name(f".{target.name}{STAGING}{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def check_replaceable(target: Path) -> None:
@@ -187,17 +192,7 @@ def replace_file(path: Path, text: str) -> None:
     leaves the old file or the new one). For the files of a folder that are not hashed
     (``config.json``, the card); a folder's other files are written with the folder."""
     atomic.remove_abandoned(path.parent, f".{path.name}{STAGING}")
-    temp = path.with_name(f".{path.name}{STAGING}{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with open(temp, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    atomic.fsync(path.parent)
+    atomic.replace_file(path, staging_name(path), lambda file: file.write(text.encode("utf-8")))
 
 
 def sha256(path: Path) -> str:
