@@ -251,6 +251,18 @@ METHODS: dict[str, type[ExplanationMethod]] = {
 """The explanation methods by name."""
 
 
+def chosen_index(layer: int | None, layers: int, what: str) -> int:
+    """``layer`` of ``layers`` as an index in ``0..layers - 1`` (``None``: the last; negative: from the end).
+
+    Raises:
+        ValueError: ``layer`` is out of range (the message says ``what`` the layers are, e.g. "the model has fusion layers").
+    """
+    chosen = layers - 1 if layer is None else layer
+    if not -layers <= chosen < layers:
+        raise ValueError(f"layer {layer} out of range: {what} 0..{layers - 1}")
+    return chosen % layers
+
+
 def distribution(values: torch.Tensor) -> torch.Tensor:
     """``values`` ``(Li,)`` clamped at 0 and normalised to sum to 1 (uniform when nothing is left)."""
     total = values.clamp_min(0)
@@ -302,11 +314,7 @@ def explain_pixels(
     if method not in METHODS:
         raise ValueError(f"unknown explanation method {method!r}: choose from {', '.join(METHODS)}")
     model.require_fusion_heads("explain")
-    layers = model.num_fusion_layers
-    chosen_layer = layers - 1 if layer is None else layer
-    if not -layers <= chosen_layer < layers:
-        raise ValueError(f"layer {layer} out of range: the model has fusion layers 0..{layers - 1}")
-    chosen_layer %= layers
+    chosen_layer = chosen_index(layer, model.num_fusion_layers, "the model has fusion layers")
     parameter = next(model.parameters())
     tokens = model.processor.tokenize([question])
     inputs = Prepared(

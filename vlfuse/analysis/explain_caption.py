@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vlfuse.analysis.explain import distribution, weights_gradient
+from vlfuse.analysis.explain import chosen_index, distribution, weights_gradient
 from vlfuse.captioning.generate import greedy
 from vlfuse.captioning.model import CaptionModel
 from vlfuse.model import ImageContext
@@ -73,11 +73,7 @@ def explain_caption(model: CaptionModel, pixels: torch.Tensor, method: str = "gr
     if method not in CAPTION_METHODS:
         hint = " (the decoder's causal self-attention mixes the words)" if method == "rollout" else ""
         raise ValueError(f"method {method!r} does not explain captions{hint}: choose from {', '.join(CAPTION_METHODS)}")
-    layers = model.num_layers
-    chosen = layers - 1 if layer is None else layer
-    if not -layers <= chosen < layers:
-        raise ValueError(f"layer {layer} out of range: the decoder has blocks 0..{layers - 1}")
-    chosen %= layers
+    chosen = chosen_index(layer, model.num_layers, "the decoder has blocks")
     parameter = next(model.parameters())
     pixels = pixels.to(parameter.device, parameter.dtype)
     with torch.no_grad():
