@@ -39,7 +39,7 @@ def main() -> None:
     kinds = [kind(q) for r in templated for q in r.questions]  # in loader order
     results = {}
     for name, records in (("templated", templated), ("reworded", reworded_easy_vqa("test", args.seed)[: args.limit_images])):
-        data = GroupedVQADataset(records, vocab, model.config.image.image_size)
+        data = GroupedVQADataset(records, vocab, model.config.image.image_size, interpolation=model.processor.interpolation)
         loader = DataLoader(data, batch_size=64, collate_fn=collate_grouped)
         results[name] = accuracy_by_group(model, loader, lambda row, question: kinds[row])
     print(f"{args.model}; rewording seed {args.seed}\n")

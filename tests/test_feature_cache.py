@@ -175,7 +175,7 @@ def test_the_dataset_decodes_each_image_once_while_its_budget_lasts(tmp_path, mo
     records = image_files(tmp_path, 4)
     decoded = []
     real = dataset_module.preprocess_image
-    monkeypatch.setattr(dataset_module, "preprocess_image", lambda source, size: decoded.append(source) or real(source, size))
+    monkeypatch.setattr(dataset_module, "preprocess_image", lambda source, *how: decoded.append(source) or real(source, *how))
     one_image = 3 * 32 * 32 * 4  # bytes of a (3, 32, 32) float32 tensor
     for budget, decodes_per_epoch in [(4 * one_image, [4, 0]), (2 * one_image, [4, 2]), (0, [4, 4])]:
         dataset = GroupedVQADataset(records, AnswerVocab(ANSWERS), 32, keep_decoded_bytes=budget)

@@ -21,6 +21,7 @@ from vlfuse import model_card, model_io
 from vlfuse.data import IGNORE_INDEX, AnswerVocab, GroupedVQADataset
 from vlfuse.data.answers import quoted
 from vlfuse.datamodules import VQADataModule
+from vlfuse.encoders import ImageEncoderConfig
 from vlfuse.metrics import VQASoftAccuracy
 from vlfuse.model import VLFuseConfig, VLFuseModel, VLFuseOutput
 from vlfuse.runtime import lightning_accelerator
@@ -136,7 +137,7 @@ class VLFuseLitModule(L.LightningModule):
 
     def configure_datamodule(self, datamodule: VQADataModule) -> None:
         """Give the datamodule the model's image size (or check that they agree)."""
-        agree_image_size(datamodule, self.architecture.image.image_size)
+        agree_image_transform(datamodule, self.architecture.image)
 
     def build_model(self, answers: list[str], questions: list[str]) -> None:
         self.use_model(VLFuseModel.from_config(self.architecture, answers, questions))
@@ -247,8 +248,11 @@ class VLFuseLitModule(L.LightningModule):
         return adamw_warmup_cosine(self, self.model, self.hparams.get("lr_ratios"))
 
 
-def agree_image_size(datamodule: L.LightningDataModule, size: int) -> None:
-    """Give ``datamodule`` the model's image ``size`` when its ``image_size`` is ``None``, else check that they agree."""
+def agree_image_transform(datamodule: L.LightningDataModule, image: ImageEncoderConfig) -> None:
+    """Give ``datamodule`` the image encoder's interpolation, and its image size when the datamodule's
+    ``image_size`` is ``None`` (else check that they agree)."""
+    datamodule.interpolation = image.interpolation
+    size = image.image_size
     if datamodule.image_size is None:
         datamodule.image_size = size
     elif datamodule.image_size != size:

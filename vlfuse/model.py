@@ -449,7 +449,7 @@ class VLFuseModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(model_io.MO
         architecture, shapes = model_io.parse_config(
             config_file, lambda: model_io.upgrade_answering_model(meta["format_version"], meta["config"], model_io.read_header(directory))
         )
-        config = model_io.parse_config(config_file, lambda: VLFuseConfig.from_dict(architecture))
+        config = model_io.parse_config(config_file, lambda: VLFuseConfig.from_dict(model_io.with_recorded_interpolation(architecture)))
         text_hf_config = model_io.parse_config(config_file, lambda: saved_text_config(meta["text_encoder_config"]))
         run = model_io.parse_config(config_file, lambda: model_card.read_run(meta))
         answers_file = directory / model_io.ANSWERS_FILE
@@ -478,6 +478,8 @@ def answer_list(answers: Any) -> list[str]:
 
 
 def processor_for(config: VLFuseConfig, tokenizer) -> VLFuseProcessor:
-    """The processor of a model of ``config``: ``tokenizer``, and the image size and text length of its encoders."""
-    return VLFuseProcessor(tokenizer, image_size=config.image.image_size, max_length=config.text.max_length)
+    """The processor of a model of ``config``: ``tokenizer``, and the image size, interpolation and text
+    length of its encoders."""
+    image = config.image
+    return VLFuseProcessor(tokenizer, image_size=image.image_size, max_length=config.text.max_length, interpolation=image.interpolation)
 

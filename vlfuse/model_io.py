@@ -480,6 +480,16 @@ def rename(state: dict[str, torch.Tensor], prefixes: dict[str, str]) -> dict[str
     return {renamed(key): value for key, value in state.items()}
 
 
+def with_recorded_interpolation(architecture: Any) -> Any:
+    """A saved architecture (a dict with ``image``) whose image encoder names how images are resized:
+    folders written before ``image.interpolation`` existed resized bilinearly, whatever their weights
+    (anything else is returned as it is, for the config's own checks)."""
+    image = architecture.get("image") if isinstance(architecture, dict) else None
+    if not isinstance(image, dict) or "interpolation" in image:
+        return architecture
+    return {**architecture, "image": {**image, "interpolation": "bilinear"}}
+
+
 def upgrade_answering_model(
     version: int, config: dict[str, Any], state: dict[str, torch.Tensor]
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

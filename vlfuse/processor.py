@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from vlfuse.data import ImageSource, preprocess_image
+from vlfuse.data.transforms import check_interpolation
 from vlfuse.encoders import TokenCache
 
 
@@ -72,6 +73,8 @@ class VLFuseProcessor:
             :func:`vlfuse.encoders.build_word_tokenizer`, or a pretrained encoder's own).
         image_size: the side images are resized to.
         max_length: the longest text in tokens; longer ones are truncated.
+        interpolation: how images are resized (one of :data:`vlfuse.data.transforms.INTERPOLATIONS`),
+            as in training: the image encoder's ``interpolation``.
 
     Attributes:
         token_cache: each distinct text's tokens, kept by :meth:`tokenize` with ``cache=True``
@@ -79,9 +82,10 @@ class VLFuseProcessor:
             easy-VQA training step).
     """
 
-    def __init__(self, tokenizer, *, image_size: int, max_length: int) -> None:
+    def __init__(self, tokenizer, *, image_size: int, max_length: int, interpolation: str = "bilinear") -> None:
         self.tokenizer = tokenizer
         self.image_size = image_size
+        self.interpolation = check_interpolation(interpolation)
         self.max_length = max_length
         self.token_cache = TokenCache(self._tokenize, tokenizer.pad_token_id, tokenizer.padding_side)
 
@@ -108,7 +112,7 @@ class VLFuseProcessor:
         Raises:
             vlfuse.data.ImageLoadError: the image cannot be read (the message names the file).
         """
-        return preprocess_image(source, self.image_size)
+        return preprocess_image(source, self.image_size, self.interpolation)
 
     def __call__(
         self, images: Sequence[ImageSource], questions: Sequence[str], *, cache: bool = False

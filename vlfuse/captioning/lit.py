@@ -18,7 +18,7 @@ from vlfuse.captioning.generate import greedy
 from vlfuse.captioning.metrics import CaptionScores, SceneCaptionScores
 from vlfuse.captioning.model import CaptionConfig, CaptionModel
 from vlfuse.data import IGNORE_INDEX
-from vlfuse.lit import adamw_warmup_cosine, agree_image_size
+from vlfuse.lit import adamw_warmup_cosine, agree_image_transform
 
 EVAL_STAGES = ("val", "test")
 
@@ -87,7 +87,7 @@ class CaptionLitModule(L.LightningModule):
             self.model = CaptionModel.from_pretrained(self.hparams.pretrained).train()
             self.architecture = copy.deepcopy(self.model.config)
             self.hparams["caption_model"] = asdict(self.architecture)  # checkpoints describe the model in use
-        agree_image_size(datamodule, self.architecture.image.image_size)
+        agree_image_transform(datamodule, self.architecture.image)
         if self.model is None:
             self.model = CaptionModel.from_config(self.architecture, training_captions(datamodule))
 

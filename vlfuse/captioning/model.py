@@ -202,7 +202,7 @@ class CaptionModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(MODEL_TYPE
         meta = model_io.read_meta(directory, MODEL_TYPE, (FORMAT_VERSION,))
         model_io.verify_files(directory, meta)
         config_file = directory / model_io.CONFIG_FILE
-        config = model_io.parse_config(config_file, lambda: CaptionConfig.from_dict(meta["config"]))
+        config = model_io.parse_config(config_file, lambda: CaptionConfig.from_dict(model_io.with_recorded_interpolation(meta["config"])))
         run = model_io.parse_config(config_file, lambda: model_card.read_run(meta))
         processor = caption_processor(config, load_saved_tokenizer(directory / model_io.TOKENIZER_DIR))
         described_by = str(config_file)
@@ -214,7 +214,8 @@ class CaptionModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(MODEL_TYPE
 
 def caption_processor(config: CaptionConfig, tokenizer) -> VLFuseProcessor:
     """The processor of a caption model of ``config``: ``tokenizer``, its image size and its longest caption."""
-    return VLFuseProcessor(tokenizer, image_size=config.image.image_size, max_length=config.max_length)
+    image = config.image
+    return VLFuseProcessor(tokenizer, image_size=image.image_size, max_length=config.max_length, interpolation=image.interpolation)
 
 
 def is_caption_model(directory: str | Path) -> bool:

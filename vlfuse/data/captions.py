@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 from vlfuse.data.records import ImageSource
 from vlfuse.data.resumable import EpochShuffleSampler
 from vlfuse.data.shapes import Scene
-from vlfuse.data.transforms import preprocess_image
+from vlfuse.data.transforms import check_interpolation, preprocess_image
 
 
 @dataclass
@@ -61,11 +61,15 @@ class CaptionDataset(Dataset):
         image_size: side of the square tensor each image is resized to.
         train: choose the caption by the epoch.
         seed: seed of each image's first caption in training.
+        interpolation: how images are resized (see :func:`~vlfuse.data.transforms.preprocess_image`).
     """
 
-    def __init__(self, records: Sequence[ImageCaptions], image_size: int, *, train: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self, records: Sequence[ImageCaptions], image_size: int, *, train: bool = False, seed: int = 0, interpolation: str = "bilinear"
+    ) -> None:
         self.records = records
         self.image_size = image_size
+        self.interpolation = check_interpolation(interpolation)
         self.train = train
         self.first_caption = np.random.default_rng(seed).integers(0, 2**31, size=len(records)) if train else None
 
@@ -82,7 +86,7 @@ class CaptionDataset(Dataset):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         record = self.records[index]
         return {
-            "pixel_values": preprocess_image(record.image, self.image_size),
+            "pixel_values": preprocess_image(record.image, self.image_size, self.interpolation),
             "caption": record.captions[self.caption_index(index, epoch)],
             "references": list(record.captions),
             "scene": record.scene,

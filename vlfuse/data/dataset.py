@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from vlfuse.data.answers import AnswerVocab
 from vlfuse.data.records import ImageQuestions, ImageSource
-from vlfuse.data.transforms import preprocess_image
+from vlfuse.data.transforms import check_interpolation, preprocess_image
 
 IGNORE_INDEX = -100
 """Label of an answer outside the vocabulary: ignored by the loss (as in ``F.cross_entropy``)."""
@@ -31,6 +31,7 @@ class GroupedVQADataset(Dataset):
         records: the images and their questions.
         vocab: answer vocabulary; answers outside it get :data:`IGNORE_INDEX`.
         image_size: side of the square tensor each image is resized to.
+        interpolation: how it is resized (see :func:`~vlfuse.data.transforms.preprocess_image`).
         keep_decoded_bytes: keep each decoded, resized image for the next epochs, up to this
             many bytes in all (the first images, in the order they are asked for); 0 decodes every
             image each time. A 32x32 image takes 12 KiB (easy-VQA's default size), a 224x224 one
@@ -48,10 +49,13 @@ class GroupedVQADataset(Dataset):
         vocab: AnswerVocab,
         image_size: int,
         keep_decoded_bytes: int = KEEP_DECODED_BYTES,
+        *,
+        interpolation: str = "bilinear",
     ) -> None:
         self.records = records
         self.vocab = vocab
         self.image_size = image_size
+        self.interpolation = check_interpolation(interpolation)
         self.decode_images = True
         self.keep_decoded_bytes = keep_decoded_bytes
         self._decoded: dict[int, torch.Tensor] = {}
@@ -78,7 +82,7 @@ class GroupedVQADataset(Dataset):
         kept = self._decoded.get(i)
         if kept is not None:
             return kept
-        pixels = preprocess_image(self.records[i].image, self.image_size)
+        pixels = preprocess_image(self.records[i].image, self.image_size, self.interpolation)
         size = pixels.numel() * pixels.element_size()
         if self._decoded_bytes + size <= self.keep_decoded_bytes:
             self._decoded[i] = pixels

@@ -184,15 +184,34 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def preprocess_image(source: ImageSource, size: int) -> torch.Tensor:
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+"""How :func:`preprocess_image` can resize: the modes of timm's pretrained configs that resize
+deterministically (timm's ``random`` is a training augmentation)."""
+
+
+def check_interpolation(interpolation: str, name: str = "interpolation") -> str:
+    """``interpolation`` if it is one of :data:`INTERPOLATIONS`, else a ``ValueError`` naming ``name``."""
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(f"{name} must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}")
+    return interpolation
+
+
+def preprocess_image(source: ImageSource, size: int, interpolation: str = "bilinear") -> torch.Tensor:
     """Load ``source`` and return a float tensor (3, size, size) in [0, 1].
 
-    Resizing is bilinear with antialiasing; normalisation belongs to the model, which knows the
-    statistics its image encoder expects.
+    The whole image is resized to the square (no crop: a question may be about any part of it), by
+    ``interpolation`` (one of :data:`INTERPOLATIONS`; bilinear and bicubic with antialiasing, bicubic
+    clipped to [0, 1]). Normalisation belongs to the model, which knows the statistics its image
+    encoder expects.
     """
+    check_interpolation(interpolation)
     img = load_image(source, size)
     pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)  # (3, H, W)
     pixels = pixels.float().div_(255.0)
     if pixels.shape[1:] != (size, size):
-        pixels = F.interpolate(pixels[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+        smooth = interpolation != "nearest"
+        options = {"antialias": True, "align_corners": False} if smooth else {}
+        pixels = F.interpolate(pixels[None], size=(size, size), mode=interpolation, **options)[0]
+        if interpolation == "bicubic":
+            pixels = pixels.clamp_(0.0, 1.0)  # the cubic kernel overshoots at edges
     return pixels

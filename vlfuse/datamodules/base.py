@@ -69,6 +69,7 @@ class VQADataModule(L.LightningDataModule):
             raise ValueError(f"limit_images must be at least 1 (or null for every image), got {limit_images}")
         self.batch_size = batch_size
         self.image_size = image_size
+        self.interpolation = "bilinear"  # the model's image encoder sets its own (vlfuse.lit.agree_image_transform)
         self.num_workers = num_workers
         self.limit_images = limit_images
         self.seed = seed
@@ -155,7 +156,7 @@ class VQADataModule(L.LightningDataModule):
     def dataset(self, split: str) -> GroupedVQADataset:
         if self.image_size is None:
             raise ValueError("image_size is not set: give data.image_size or let the model set it")
-        return GroupedVQADataset(self.records(split), self.split_vocab(split), self.image_size)
+        return GroupedVQADataset(self.records(split), self.split_vocab(split), self.image_size, interpolation=self.interpolation)
 
     def _eval_sampler(self, split: str, dataset: GroupedVQADataset) -> Sampler | None:
         """Under a multi-process trainer, each rank's share of an evaluation split: every image

@@ -51,7 +51,7 @@ class CaptionDataModule(VQADataModule):
     def dataset(self, split: str) -> CaptionDataset:
         if self.image_size is None:
             raise ValueError("image_size is not set: give data.image_size or let the model set it")
-        return CaptionDataset(self.records(split), self.image_size, train=split == "train", seed=self.seed)
+        return CaptionDataset(self.records(split), self.image_size, train=split == "train", seed=self.seed, interpolation=self.interpolation)
 
     def _loader_options(self) -> dict:
         return {**super()._loader_options(), "collate_fn": collate_captions}

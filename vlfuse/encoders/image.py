@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import timm
 import torch
+from timm.data import resolve_data_config
+from timm.models import get_pretrained_cfg
 
 from vlfuse.encoders.adapters import AdaptableEncoder, AdapterConfig, parse_adapter
 from vlfuse.encoders.cache import FeatureCache, tensor_key
 from vlfuse.encoders.hub import use_cache_if_hub_unreachable, weights_not_fetched
+from vlfuse.data.transforms import INTERPOLATIONS, check_interpolation
 from vlfuse.errors import first_line
 from vlfuse.parts import MAX_HEADS, MAX_IMAGE_SIDE, MAX_LAYERS, MAX_WIDTH, check_fields, check_range
 
@@ -24,13 +28,18 @@ class ImageEncoderConfig:
         name: timm model name, e.g. ``vit_tiny_patch16_224``.
         pretrained: load timm's pretrained weights for ``name`` (needs the model hub or its cache).
         weights_file: load pretrained weights from this local file instead (timm's format).
-        image_size: side of the square input image.
+        image_size: side of the square input image; ``None`` takes the pretrained weights'
+            input size (timm's ``pretrained_cfg``), or 64 for a model trained from scratch.
         patch_size: override the patch size (``None`` keeps the model's).
         width: override the embedding width.
         depth: override the number of transformer blocks.
         num_heads: override the number of heads of the encoder's self-attention.
-        mean: per-channel mean used to normalise [0, 1] pixels.
-        std: per-channel standard deviation used to normalise [0, 1] pixels.
+        mean: per-channel mean used to normalise [0, 1] pixels; ``None`` takes the pretrained
+            weights' (e.g. ImageNet's for DeiT or DINOv2), or 0.5 from scratch.
+        std: per-channel standard deviation used to normalise [0, 1] pixels; ``None`` as ``mean``.
+        interpolation: how images are resized to ``image_size``, one of
+            :data:`~vlfuse.data.transforms.INTERPOLATIONS`; ``None`` takes the pretrained weights'
+            (timm's configs mostly say ``bicubic``), or ``bilinear`` from scratch.
         freeze: keep the encoder's weights fixed during training (it then runs in eval mode).
         cache_features: with ``freeze``, keep the encoder's output for each distinct image in
             memory while the model trains (see :class:`~vlfuse.encoders.cache.FeatureCache`), so
@@ -44,13 +53,14 @@ class ImageEncoderConfig:
     name: str = "vit_tiny_patch16_224"
     pretrained: bool = False
     weights_file: str | None = None
-    image_size: int = 64
+    image_size: int | None = None
     patch_size: int | None = 8
     width: int | None = 128
     depth: int | None = 2
     num_heads: int | None = 4
-    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    interpolation: str | None = None
     freeze: bool = False
     cache_features: bool = True
     adapter: dict[str, Any] | AdapterConfig | None = None
@@ -62,6 +72,7 @@ class ImageEncoderConfig:
             raise ValueError("image.adapter adapts pretrained weights: set image.pretrained or image.weights_file")
         if self.adapter is not None and self.freeze:
             raise ValueError("image.adapter trains the encoder through its adapter, image.freeze keeps it fixed: set one of them")
+        self.resolve_preprocessing()
         check_range("image.image_size", self.image_size, 1, MAX_IMAGE_SIDE)
         check_range("image.patch_size", self.patch_size, 1, self.image_size)
         check_range("image.width", self.width, 1, MAX_WIDTH)
@@ -72,6 +83,45 @@ class ImageEncoderConfig:
                 raise ValueError(f"image.{name} must give 3 numbers (red, green, blue), got {getattr(self, name)}")
         if not all(s > 0 for s in self.std):
             raise ValueError(f"image.std must be positive, got {self.std}")
+        check_interpolation(self.interpolation, "image.interpolation")
+
+    def resolve_preprocessing(self) -> None:
+        """Fill ``image_size``, ``mean``, ``std`` and ``interpolation`` where they are ``None``: from
+        timm's ``pretrained_cfg`` of ``name`` when the weights are pretrained (hub or file), else
+        :data:`SCRATCH_PREPROCESSING`. Values the config sets are kept. A saved model's config holds
+        the values filled in, so it preprocesses as it was trained."""
+        unset = [name for name in PREPROCESSING_FIELDS if getattr(self, name) is None]
+        if not unset:
+            return
+        defaults = pretrained_preprocessing(self.name) if self.pretrained or self.weights_file else SCRATCH_PREPROCESSING
+        for name in unset:
+            setattr(self, name, copy.copy(defaults[name]))
+
+
+PREPROCESSING_FIELDS = ("image_size", "mean", "std", "interpolation")
+"""The fields of :class:`ImageEncoderConfig` that say how pixels reach the encoder."""
+
+SCRATCH_PREPROCESSING: dict[str, Any] = {"image_size": 64, "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "interpolation": "bilinear"}
+"""The preprocessing of an image encoder trained from scratch (pixels in [-1, 1])."""
+
+
+def pretrained_preprocessing(name: str) -> dict[str, Any]:
+    """The input size, mean, std and interpolation of timm's pretrained weights ``name`` (a model
+    name, with or without its ``.tag``), by timm's own ``resolve_data_config``; nothing is downloaded."""
+    if not timm.is_model(name):
+        raise ValueError(f"timm does not know the image encoder {name!r} (see timm.list_models())")
+    try:
+        pretrained_cfg = get_pretrained_cfg(name)
+    except RuntimeError as err:  # a tag the model does not have
+        raise ValueError(f"image.name {name!r}: {first_line(err)} (timm.list_pretrained({name.split('.')[0]!r}) lists them)") from None
+    if pretrained_cfg is None:  # a model registered without any pretrained config
+        raise ValueError(
+            f"timm has no pretrained config for the image encoder {name!r}: set image.image_size, "
+            "image.mean, image.std and image.interpolation"
+        )
+    data = resolve_data_config(pretrained_cfg=pretrained_cfg.to_dict())
+    interpolation = data["interpolation"] if data["interpolation"] in INTERPOLATIONS else "bicubic"
+    return {"image_size": data["input_size"][-1], "mean": list(data["mean"]), "std": list(data["std"]), "interpolation": interpolation}
 
 
 class ImageEncoder(AdaptableEncoder):
@@ -134,6 +184,18 @@ class ImageEncoder(AdaptableEncoder):
         if self.config.freeze:
             self.vit.eval()
         return self
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each ViT block's activations in backward instead of keeping them: timm's own
+        ``set_grad_checkpointing`` (through a peft adapter too), which checkpoints every block with
+        ``torch.utils.checkpoint``, non-reentrant unless timm is told otherwise (the environment
+        variable ``TIMM_REENTRANT_CKPT``): that is refused, as reentrant checkpointing gives no
+        gradient to an adapter whose blocks' inputs need none."""
+        from timm.layers import use_reentrant_ckpt
+
+        if enable and use_reentrant_ckpt():
+            raise ValueError("image: timm is set to reentrant activation checkpointing (TIMM_REENTRANT_CKPT): unset it")
+        self.vit.set_grad_checkpointing(enable)
 
     @property
     def width(self) -> int:

@@ -270,6 +270,7 @@ def export_meta(model: VLFuseModel, quantize: str | None, source: str | None) ->
         "format_version": ONNX_FORMAT_VERSION,
         "model_type": ONNX_MODEL_TYPE,
         "image_size": model.config.image.image_size,
+        "interpolation": model.processor.interpolation,
         "max_length": model.processor.max_length,
         "vocab_size": model.text_encoder.model.config.vocab_size,
         "quantization": quantize,

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from vlfuse import model_io
+from vlfuse.data.transforms import check_interpolation
 from vlfuse.encoders import load_saved_tokenizer
 from vlfuse.errors import first_line
 from vlfuse.model import ImageContext, VLFuseOutput, answer_list
@@ -96,9 +97,9 @@ class OnnxAnswerModel:
         config_file = directory / model_io.CONFIG_FILE
         answers_file = directory / model_io.ANSWERS_FILE
         answers = model_io.parse_config(answers_file, lambda: answer_list(model_io.read_json(answers_file)))
-        image_size, max_length, vocab_size = model_io.parse_config(config_file, lambda: processor_fields(meta))
+        image_size, max_length, vocab_size, interpolation = model_io.parse_config(config_file, lambda: processor_fields(meta))
         tokenizer = load_saved_tokenizer(directory / model_io.TOKENIZER_DIR, vocab_size)
-        processor = VLFuseProcessor(tokenizer, image_size=image_size, max_length=max_length)
+        processor = VLFuseProcessor(tokenizer, image_size=image_size, max_length=max_length, interpolation=interpolation)
         session = open_session(directory / ONNX_FILE, meta, len(answers), threads)
         return cls(session, answers, processor, meta)
 
@@ -186,8 +187,9 @@ def read_export_meta(directory: Path) -> dict:
     return meta
 
 
-def processor_fields(meta: dict) -> tuple[int, int, int]:
-    """``(image_size, max_length, vocab_size)`` of an export's ``config.json``, checked."""
+def processor_fields(meta: dict) -> tuple[int, int, int, str]:
+    """``(image_size, max_length, vocab_size, interpolation)`` of an export's ``config.json``, checked
+    (an export written before it recorded its interpolation resized bilinearly)."""
     values = tuple(meta[key] for key in ("image_size", "max_length", "vocab_size"))
     for key, value in zip(("image_size", "max_length", "vocab_size"), values):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -197,7 +199,7 @@ def processor_fields(meta: dict) -> tuple[int, int, int]:
     quantization = meta.get("quantization")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be null or one of {QUANTIZATIONS}, got {quantization!r}")
-    return values
+    return (*values, check_interpolation(meta.get("interpolation", "bilinear")))
 
 
 def open_session(path: Path, meta: dict, num_answers: int, threads: int | None):
