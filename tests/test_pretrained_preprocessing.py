@@ -80,6 +80,8 @@ def test_a_weights_file_model_normalises_with_imagenet_statistics_and_keeps_them
     saved = model.save_pretrained(tmp_path / "model")
     recorded = json.loads((saved / "config.json").read_text())["config"]["image"]
     assert recorded["mean"] == pytest.approx(IMAGENET_MEAN) and recorded["interpolation"] == "bicubic"
+    card = (saved / "README.md").read_text()  # the model card says what the images go through
+    assert f"pretrained weights from {path}" in card and "images resized bicubic, normalised by mean [0.485, 0.456, 0.406]" in card
     predictor = Predictor.from_pretrained(saved)
     assert predictor.model.processor.interpolation == "bicubic"
     inputs = predictor.model.processor([picture], ["is it red?"])

@@ -528,10 +528,12 @@ def part(config: Mapping[str, Any]) -> str:
 
 
 def image_encoder(config: Mapping[str, Any]) -> str:
-    how = "pretrained weights" + (f" from {config['weights_file']}" if config.get("weights_file") else "") if config.get("pretrained") else "trained from scratch"
+    pretrained = config.get("pretrained") or config.get("weights_file")
+    how = "pretrained weights" + (f" from {config['weights_file']}" if config.get("weights_file") else "") if pretrained else "trained from scratch"
     sizes = ", ".join(f"{k.replace('_', ' ')} {config[k]}" for k in ("image_size", "patch_size", "width", "depth", "num_heads") if config.get(k) is not None)
     extra = [word for key, word in (("freeze", "frozen"), ("adapter", "LoRA adapter merged")) if config.get(key)]
-    return f"timm `{config.get('name')}`, {how}: {sizes}" + "".join(f", {word}" for word in extra)
+    pixels = f"; images resized {config.get('interpolation', 'bilinear')}, normalised by mean {config.get('mean')} and std {config.get('std')}"
+    return f"timm `{config.get('name')}`, {how}: {sizes}" + "".join(f", {word}" for word in extra) + pixels
 
 
 def text_encoder(config: Mapping[str, Any]) -> str:
