@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from vlfuse.cli import main
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.commands.lightning import wait_for_other_ranks
 from vlfuse.model import VLFuseModel
+from vlfuse.runs import choose
 
 from conftest import REPO, tiny_cli_args
 
@@ -180,3 +182,53 @@ def test_ddp_validate_of_a_saved_model_logs_the_one_process_accuracy(fitted, tmp
     accuracy, questions = one_process_evaluation(model_dir, "val")
     assert logged_metric(tmp_path, "val/acc") == pytest.approx(accuracy, abs=1e-6)
     assert logged_metric(tmp_path, "val/questions") == questions
+
+
+def node_command(cwd: Path, *extra: str) -> list[str]:
+    """The README's multi-node command for one node of two, one process on each (CPU, gloo)."""
+    nodes = ["--trainer.strategy", "ddp", "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.num_nodes", "2"]
+    return [sys.executable, "-m", "vlfuse.cli", "fit", "--config", str(CONFIG), *nodes, *size_args(cwd), "--trainer.max_epochs=1", *extra]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_nodes_launched_one_per_node_train_into_one_run_folder_and_test_once(tmp_path):
+    """Two simulated nodes on this machine, each launched as a cluster launches one: its NODE_RANK,
+    the first node's address and port, and the world size in the environment; the same command and
+    --run_dir on both."""
+    cluster = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    command = node_command(tmp_path, "--run_dir", "runs/easy_vqa/two_nodes")
+    nodes = [
+        subprocess.Popen(command, cwd=tmp_path, env={**os.environ, **cluster, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=TIMEOUT_S) for node in nodes]
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-3000:]
+        assert "Traceback" not in stderr
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1][1]
+    model_dir = tmp_path / "runs" / "easy_vqa" / "two_nodes" / "model"
+    assert saved_models(tmp_path) == [model_dir]  # written once, by the first node
+    assert sorted(path.name for path in (tmp_path / "runs" / "easy_vqa").iterdir()) == ["latest", "two_nodes"]
+    # the test split scored once over both nodes, each image by one of them, as one process scores it
+    assert printed_summaries(outputs[0][0]) == [one_process_summary(model_dir)]
+    assert printed_summaries(outputs[1][0]) == []
+
+
+def test_nodes_launched_one_per_node_without_a_shared_run_dir_stop_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for node in ("0", "1"):
+        monkeypatch.setenv("NODE_RANK", node)
+        with pytest.raises(ValueError, match="once per node .* pass --run_dir DIR, the same in every process"):
+            choose("fit", tmp_path / "runs", run_dir=None, ckpt_path=None)
+    monkeypatch.setenv("NODE_RANK", "1")
+    follower = choose("fit", tmp_path / "runs", run_dir=str(tmp_path / "shared"), ckpt_path=None)
+    assert (follower.folder, follower.leader) == (tmp_path / "shared", False)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # NODE_RANK alone (set on some single machines) is one run of its own
+    assert choose("fit", tmp_path / "runs", run_dir=None, ckpt_path=None).folder == tmp_path / "runs" / "version_0"

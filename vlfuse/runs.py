@@ -12,7 +12,8 @@ that continues a run (``--ckpt_path last``: the run ``latest`` points to; ``--ck
 Under DDP every process must use the same folders: the process that chose them (rank 0) passes them
 to the ranks Lightning starts through the environment (:func:`share_with_other_ranks`); processes
 started by torchrun or srun use ``<root>/job_<id>`` (the job's id, the same in every process) or the
-``--run_dir`` they are given.
+``--run_dir`` they are given; a job launched once per node (``NODE_RANK``, as in Lightning's on-prem
+cluster guide) uses the ``--run_dir`` given to every node.
 """
 
 from __future__ import annotations
@@ -104,15 +105,18 @@ def run_of_checkpoint(path: Path, root: Path) -> Path | None:
 
 
 def launched_externally() -> bool:
-    """Whether a launcher other than Lightning started the processes of a multi-process run:
-    torchrun (``RANK`` and ``WORLD_SIZE`` > 1) or SLURM's srun (``SLURM_NTASKS`` > 1)."""
-    torchrun = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return torchrun or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    """Whether the processes of a multi-process run were not all started by one Lightning process:
+    torchrun (``RANK`` and ``WORLD_SIZE`` > 1), SLURM's srun (``SLURM_NTASKS`` > 1), or one launch per
+    node (``NODE_RANK`` and ``WORLD_SIZE`` > 1, the environment of Lightning's on-prem multi-node jobs)."""
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    torchrun_or_per_node = several and ("RANK" in os.environ or "NODE_RANK" in os.environ)
+    return torchrun_or_per_node or int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
 def launcher_rank() -> int:
-    """This process's rank as the external launcher numbers it (0 without one)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    """This process's rank as the external launcher numbers it, or its node's for a per-node launch
+    (0 without one): the process of rank 0 leads the run."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("NODE_RANK", "0"))))
 
 
 def job_folder(root: Path) -> Path:
@@ -126,8 +130,8 @@ def job_folder(root: Path) -> Path:
     job = run_id if run_id and run_id != "none" else os.environ.get("SLURM_JOB_ID")
     if not job:
         raise ValueError(
-            "the processes were started by an external launcher (RANK and WORLD_SIZE are set) without a job id "
-            "that they share: pass --run_dir DIR, the same in every process (or torchrun --rdzv-id ID)"
+            "the processes were started by an external launcher or once per node (RANK or NODE_RANK, and WORLD_SIZE, "
+            "are set) without a job id that they share: pass --run_dir DIR, the same in every process (or torchrun --rdzv-id ID)"
         )
     return root / f"job_{job}"
 
