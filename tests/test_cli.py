@@ -23,6 +23,7 @@ DATA_NEEDS = {
     "shapes": SHARED / "data" / "shapes",
     "vqa_v2": REPO / "data" / "vqa_v2",
     "imagefolder": REPO / "data" / "imagefolder",  # tests/test_imagefolder.py trains it on a folder it makes
+    "base_224": REPO / "data" / "imagefolder",  # tests/test_checkpointing.py trains it on a folder it makes
 }
 
 

@@ -23,7 +23,7 @@ from vlfuse.data.answers import quoted
 from vlfuse.datamodules import VQADataModule
 from vlfuse.encoders import ImageEncoderConfig
 from vlfuse.metrics import VQASoftAccuracy
-from vlfuse.model import VLFuseConfig, VLFuseModel, VLFuseOutput
+from vlfuse.model import CHECKPOINTED_PARTS, VLFuseConfig, VLFuseModel, VLFuseOutput
 from vlfuse.runtime import lightning_accelerator
 
 
@@ -60,6 +60,10 @@ class VLFuseLitModule(L.LightningModule):
         new_answers: what fine-tuning ``pretrained`` (``fit``) does with training answers the model
             lacks: ``refuse`` (stop, naming them) or ``extend`` (append them to its answers, the
             head growing a new row for each).
+        activation_checkpointing: recompute activations in backward instead of keeping them
+            (:meth:`VLFuseModel.set_grad_checkpointing`): ``True`` for every part that keeps some,
+            or a list of parts among ``image``, ``text``, ``fuser``. A training setting: the
+            checkpoints' hyperparameters hold it, a saved model folder does not.
     """
 
     def __init__(
@@ -73,10 +77,12 @@ class VLFuseLitModule(L.LightningModule):
         lr_ratios: dict[str, float] | None = None,
         pretrained: str | None = None,
         new_answers: Literal["refuse", "extend"] = "refuse",
+        activation_checkpointing: bool | list[str] = False,
     ) -> None:
         super().__init__()
         if new_answers not in ("refuse", "extend"):
             raise ValueError(f"new_answers must be 'refuse' or 'extend', got {new_answers!r}")
+        activation_checkpointing = checkpointed_parts(activation_checkpointing)
         self.architecture = copy.deepcopy(architecture)  # the default instance is shared
         # Plain types only, so that checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters(
@@ -90,6 +96,7 @@ class VLFuseLitModule(L.LightningModule):
                 "lr_ratios": dict(lr_ratios or {}),
                 "pretrained": pretrained,
                 "new_answers": new_answers,
+                "activation_checkpointing": activation_checkpointing,
             }
         )
         self.model: VLFuseModel | None = None
@@ -143,8 +150,12 @@ class VLFuseLitModule(L.LightningModule):
         self.use_model(VLFuseModel.from_config(self.architecture, answers, questions))
 
     def use_model(self, model: VLFuseModel) -> None:
-        """Train ``model`` (e.g. a pruned one): set it and the accuracy metrics over its answers."""
+        """Train ``model`` (e.g. a pruned one): set it, its activation checkpointing and the accuracy
+        metrics over its answers."""
         self.model = model
+        parts = self.hparams.get("activation_checkpointing", False)
+        if parts:
+            model.set_grad_checkpointing(True, None if parts is True else parts)
         num_classes = len(model.answers) + 1  # the last: every answer the model lacks (see _step)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
@@ -246,6 +257,18 @@ class VLFuseLitModule(L.LightningModule):
     # ------------------------------------------------------------------------------ optimisation
     def configure_optimizers(self):
         return adamw_warmup_cosine(self, self.model, self.hparams.get("lr_ratios"))
+
+
+def checkpointed_parts(value: bool | list[str]) -> bool | list[str]:
+    """``activation_checkpointing`` checked: a bool, or a list of parts of
+    :data:`~vlfuse.model.CHECKPOINTED_PARTS` (a ValueError names the option and the parts)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (list, tuple)) and all(part in CHECKPOINTED_PARTS for part in value):
+        return list(value)
+    raise ValueError(
+        f"model.activation_checkpointing must be true, false or a list of parts among {list(CHECKPOINTED_PARTS)}, got {value!r}"
+    )
 
 
 def agree_image_transform(datamodule: L.LightningDataModule, image: ImageEncoderConfig) -> None:

@@ -24,6 +24,10 @@ from vlfuse.parts import MAX_WIDTH, check_range, check_type
 from vlfuse.processor import VLFuseProcessor
 
 
+CHECKPOINTED_PARTS = ("image", "text", "fuser")
+"""The parts :meth:`VLFuseModel.set_grad_checkpointing` can checkpoint, in model order."""
+
+
 def default_image_encoder() -> ImageEncoderConfig:
     """The default model's image encoder: timm's hybrid ViT (a ResNet stem, whose convolutions learn
     shapes far faster than patches) with 1 block of width 128, an 8x8 grid of 32 px images."""
@@ -340,6 +344,39 @@ class VLFuseModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(model_io.MO
         fused = self.fuse(text, text_mask, image_context, image_index, head_mask=head_mask, weights_from=weights_from)
         logits = self.read_out(fused.output, text_mask)
         return VLFuseOutput(logits, fused.attentions, text_mask, fused.head_diversity, fused.auxiliary_loss)
+
+    # ----------------------------------------------------------------------------- training memory
+    def set_grad_checkpointing(self, enable: bool = True, parts: Iterable[str] | None = None) -> list[str]:
+        """Activation (gradient) checkpointing of the parts ``parts`` (of :data:`CHECKPOINTED_PARTS`:
+        ``"image"``, ``"text"``, ``"fuser"``): in training, each block of those parts keeps only its
+        inputs for backward and recomputes the rest there. The gradients are the same; a step costs
+        about one more forward of those parts. Not saved with the model.
+
+        ``parts=None`` means every part that keeps activations for backward and can be checkpointed:
+        a fuser without blocks (``map_program``) is then left out, and named in ``parts`` it is a
+        ValueError. A frozen encoder (``freeze: true``) keeps no activations for backward, so it is
+        always left out, named or not. Returns the parts it set, in order.
+        """
+        names = list(CHECKPOINTED_PARTS if parts is None else [parts] if isinstance(parts, str) else parts)
+        unknown = [name for name in names if name not in CHECKPOINTED_PARTS]
+        if unknown:
+            raise ValueError(f"activation checkpointing: unknown parts {unknown}; the parts are {list(CHECKPOINTED_PARTS)}")
+        modules = {"image": self.image_encoder, "text": self.text_encoder, "fuser": self.fuser}
+        frozen = {"image": self.config.image.freeze, "text": self.config.text.freeze, "fuser": False}
+        chosen = []
+        for name in CHECKPOINTED_PARTS:
+            if name not in names or (enable and frozen[name]):
+                continue
+            if name == "fuser" and enable and not self.fuser.supports_grad_checkpointing:
+                if parts is None:
+                    continue
+                raise ValueError(
+                    f"activation checkpointing: fuser {self.config.fuser.type!r} has no blocks to checkpoint "
+                    "(fusion_stack and cell_steps have): leave fuser out of the parts"
+                )
+            modules[name].set_grad_checkpointing(enable)
+            chosen.append(name)
+        return chosen
 
     # ----------------------------------------------------------------------------- attention heads
     @property

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig
 from vlfuse.encoders.adapters import AdaptableEncoder, AdapterConfig, parse_adapter
 from vlfuse.encoders.cache import FeatureCache
 from vlfuse.encoders.hub import load_named
+from vlfuse.errors import first_line
 from vlfuse.parts import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, check_fields, check_range
 
 
@@ -140,6 +141,20 @@ class TextEncoder(AdaptableEncoder):
         if self.config.freeze:
             self.model.eval()
         return self
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each layer's activations in backward instead of keeping them: transformers' own
+        switch (``activation_checkpointing_enable``, the name ``gradient_checkpointing_enable`` has in
+        transformers 5; non-reentrant ``torch.utils.checkpoint``, in training), through a peft adapter too.
+        An encoder type without it is a ValueError naming it."""
+        if not enable:
+            self.model.activation_checkpointing_disable()
+            self.model.disable_input_require_grads()  # the hook that switching it on adds
+            return
+        try:
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        except ValueError as err:  # "... does not support activation checkpointing."
+            raise ValueError(f"text: {first_line(err)}") from None
 
     @property
     def width(self) -> int:

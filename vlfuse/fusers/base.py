@@ -84,7 +84,19 @@ class Fuser(nn.Module):
     A fuser with cross-attention heads lists them in :attr:`attention_layers`; the model's head
     masks, attention maps, head scores and pruning (``vlfuse analyze``, ``vlfuse prune``) work
     through that list, whatever the fuser.
+
+    A fuser whose :attr:`supports_grad_checkpointing` is True recomputes its blocks in backward
+    after :meth:`set_grad_checkpointing` (activation checkpointing).
     """
+
+    supports_grad_checkpointing: ClassVar[bool] = False
+    """Whether :meth:`set_grad_checkpointing` can switch activation checkpointing on."""
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute the fuser's activations in backward instead of keeping them (in training, with
+        gradients enabled). This one has no blocks to checkpoint: switching it on is a ValueError."""
+        if enable:
+            raise ValueError(f"{type(self).__name__} has no blocks to checkpoint")
 
     def question_features(
         self, text_encoder: "TextEncoder", input_ids: torch.Tensor, attention_mask: torch.Tensor

@@ -9,6 +9,7 @@ from typing import Iterable, Literal, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig
 from vlfuse.parts import EVIDENCE, MAX_HEADS, check_range
@@ -88,8 +89,11 @@ class CellStepsFuser(Fuser):
         grid_size: ``(rows, cols)`` of the patch grid.
     """
 
+    supports_grad_checkpointing = True
+
     def __init__(self, config: CellStepsConfig, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> None:
         super().__init__()
+        self.grad_checkpointing = False
         d, self.heads = dim, config.heads
         self.grid_size = tuple(grid_size)
         self.word_norm = nn.LayerNorm(text_width)
@@ -107,6 +111,11 @@ class CellStepsFuser(Fuser):
         self.head_norm = nn.LayerNorm(d // self.heads)  # QK-norm, per head
         self.find_out = nn.Linear(self.heads, 2)
         self.find_in = nn.Linear(self.heads, d)  # the cells see the image only through the word's finds
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Checkpoint the shared block at every word step (non-reentrant ``torch.utils.checkpoint``,
+        in training with gradients enabled): backward keeps each step's inputs and recomputes the rest."""
+        self.grad_checkpointing = enable
 
     @property
     def attention_layers(self) -> list[CrossAttention]:
@@ -151,12 +160,16 @@ class CellStepsFuser(Fuser):
         scores = self._finds(text, patches)  # (Bq, Lt, cells, H)
         finds = self.find_out(scores)  # (Bq, Lt, cells, 2)
         log_m = patches.new_zeros(patches.shape[:2])  # (Bq, cells): log 1, every cell
+        checkpointing = self.grad_checkpointing and self.training and torch.is_grad_enabled()
         drawn = []
         for t in range(text.shape[1] - 1, -1, -1):
             word = text[:, t, None, :]  # (Bq, 1, d)
             base = self.cell_position + self.find_in(scores[:, t])
             x = (base + self.state_in(self._neighbourhood(log_m.exp()))) * (1 + word) + word
-            stepped_cells = self.step(x, patches, need_weights=draw, head_mask=head_mask)
+            if checkpointing:
+                stepped_cells = checkpoint(self.step, x, patches, need_weights=draw, head_mask=head_mask, use_reentrant=False)
+            else:
+                stepped_cells = self.step(x, patches, need_weights=draw, head_mask=head_mask)
             if draw:
                 stepped_cells, weights = stepped_cells  # weights (Bq, H, cells, Li)
                 drawn.append(weights.mean(2) * text_mask[:, t, None, None])  # (Bq, H, Li), 0 at padding

@@ -10,6 +10,7 @@ import torch
 
 from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig
 from vlfuse.layers import CrossAttention, FusionStack, ProjectedContext, head_diversity
+from vlfuse.layers.attention import ContextTokens
 from vlfuse.parts import MAX_HEADS, MAX_LAYERS, check_range
 
 
@@ -67,12 +68,16 @@ class FusionStackConfig(FuserConfig):
 class FusionStackFuser(Fuser):
     """The text encoder's states, projected, read the image through a :class:`~vlfuse.layers.FusionStack`.
 
-    The image context is every block's keys and values, projected once per image.
+    The image context is every block's keys and values, projected once per image; with activation
+    checkpointing in training, the image tokens, from which each block projects its own inside its
+    checkpoint (see :class:`~vlfuse.layers.FusionStack`).
 
     Args:
         config: its options.
         dim: the fusion width.
     """
+
+    supports_grad_checkpointing = True
 
     def __init__(self, config: FusionStackConfig, dim: int) -> None:
         super().__init__()
@@ -91,19 +96,26 @@ class FusionStackFuser(Fuser):
             mlp_layer=config.mlp,
         )
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Checkpoint every fusion block (:meth:`FusionStack.set_grad_checkpointing <vlfuse.layers.FusionStack.set_grad_checkpointing>`)."""
+        self.stack.set_grad_checkpointing(enable)
+
     @property
     def attention_layers(self) -> list[CrossAttention]:
         return [block.cross_attn for block in self.stack.blocks]
 
-    def image_context(self, image_tokens: torch.Tensor, num_prefix_tokens: int) -> list[ProjectedContext]:
-        """Every block's keys/values ``(Bi, H, Li, hd)`` of all the image tokens (prefix tokens too)."""
+    def image_context(self, image_tokens: torch.Tensor, num_prefix_tokens: int) -> list[ProjectedContext | ContextTokens]:
+        """Every block's keys/values ``(Bi, H, Li, hd)`` of all the image tokens (prefix tokens too);
+        while the blocks run checkpointed, the image tokens for every block to project itself."""
+        if self.stack.checkpointing:
+            return [ContextTokens(image_tokens)] * len(self.stack)
         return self.stack.project_context(image_tokens)
 
     def forward(
         self,
         text: torch.Tensor,
         text_mask: torch.Tensor,
-        image_context: list[ProjectedContext],
+        image_context: list[ProjectedContext | ContextTokens],
         image_index: torch.Tensor | None = None,
         *,
         head_masks: Sequence[torch.Tensor | None] | None = None,

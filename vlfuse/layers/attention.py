@@ -5,7 +5,8 @@ reshaping ``(B, L, H * hd) -> (B, H, L, hd)``; no Python loop ever runs over hea
 
 In reading order:
 
-- :class:`ProjectedContext`: keys and values projected once, reusable for many query batches;
+- :class:`ProjectedContext`: keys and values projected once, reusable for many query batches
+  (:class:`ContextTokens`: a context each layer projects itself, inside its activation checkpoint);
 - the normalisers, scores -> weights: :func:`softmax_normalize` (the one SDPA computes) and
   :func:`leaky_relu_normalize`, by name in :data:`NORMALIZERS`;
 - :func:`attention_core`: ``normalize(Q K^T / sqrt(hd)) V``, through SDPA when it can;
@@ -61,6 +62,29 @@ class ProjectedContext:
     def rows(self, index: torch.Tensor) -> "ProjectedContext":
         """The context rows ``index`` ``(B',)``, copied: keys and values ``(B', H, Lk, hd)``, mask ``(B', Lk)``."""
         return ProjectedContext(self.key[index], self.value[index], None if self.mask is None else self.mask[index])
+
+
+@dataclass
+class ContextTokens:
+    """A context not yet projected: each layer projects its own keys and values from it when it runs
+    (:meth:`CrossAttention.keys_values`), e.g. inside that layer's activation checkpoint, so that
+    backward keeps the tokens once instead of every layer's keys and values.
+
+    Attributes:
+        tokens: ``(B, Lk, kv_dim)`` the context tokens.
+        mask: optional ``(B, Lk)`` boolean mask, True where a key may be attended.
+    """
+
+    tokens: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, index: torch.Tensor) -> "ContextTokens":
+        """The context rows ``index`` ``(B',)``, copied: tokens ``(B', Lk, kv_dim)``, mask ``(B', Lk)``."""
+        return ContextTokens(self.tokens[index], None if self.mask is None else self.mask[index])
 
 
 # ------------------------------------------------------------------------------------ normalisers
@@ -417,13 +441,19 @@ class CrossAttention(MultiHeadAttention):
     """
 
     def keys_values(
-        self, context: torch.Tensor | None = None, context_mask: torch.Tensor | None = None, kv: ProjectedContext | None = None
+        self,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        kv: ProjectedContext | ContextTokens | None = None,
     ) -> ProjectedContext:
-        """``kv`` as given, or the keys/values of ``context`` (exactly one of the two)."""
+        """``kv`` as given, or the keys/values of ``context`` or of ``kv``'s :class:`ContextTokens`
+        (exactly one of ``context`` and ``kv``)."""
         if (context is None) == (kv is None):
             raise ValueError("pass exactly one of context or kv")
         if kv is not None and context_mask is not None:
             raise ValueError("context_mask belongs to project_context when kv is given")
+        if isinstance(kv, ContextTokens):
+            return self.project_context(kv.tokens, kv.mask)
         return kv if kv is not None else self.project_context(context, context_mask)
 
     def forward(
@@ -589,7 +619,7 @@ def check_head_mask(head_mask: torch.Tensor | None, batch: int, heads: int) -> N
 def check_queries(
     x: torch.Tensor,
     dim: int,
-    kv: ProjectedContext,
+    kv: ProjectedContext | ContextTokens,
     heads: int,
     context_index: torch.Tensor | None,
     head_mask: torch.Tensor | None = None,
@@ -601,7 +631,7 @@ def check_queries(
     if x.dim() != 3 or x.shape[-1] != dim:
         raise ValueError(f"x must be (batch, length, {dim}), got shape {tuple(x.shape)}")
     batch = x.shape[0]
-    if kv.key.shape[1] != heads:
+    if isinstance(kv, ProjectedContext) and kv.key.shape[1] != heads:
         raise ValueError(f"kv was projected with {kv.key.shape[1]} heads, this layer has {heads}")
     contexts = kv.batch_size
     if context_index is None:

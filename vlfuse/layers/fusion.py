@@ -8,6 +8,9 @@ they enter (:meth:`FusionBlock.forward`, :meth:`FusionStack.forward`); the packe
 Under ``torch.export`` and ``torch.compile`` the blocks run on the padded reference layout instead
 (:class:`~vlfuse.layers.packing.PaddedTokens`, chosen by :func:`layout_of`): packing's sizes depend
 on the text mask's values, which neither can trace.
+
+:meth:`FusionStack.set_grad_checkpointing` recomputes each block in backward (activation
+checkpointing, ``torch.utils.checkpoint``, non-reentrant) instead of keeping its activations.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from typing import Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from vlfuse.layers.attention import CrossAttention, Normalizer, ProjectedContext, SelfAttention, check_queries
+from vlfuse.layers.attention import (
+    ContextTokens, CrossAttention, Normalizer, ProjectedContext, SelfAttention, check_queries,
+)
 from vlfuse.layers.local_attention import LocalLayout, LocalSelfAttention
 from vlfuse.layers.packing import PackedTokens, PaddedTokens
 
@@ -196,8 +202,11 @@ class FusionBlock(nn.Module):
 
 
 def layout_of(
-    x: torch.Tensor, text_mask: torch.Tensor | None, image_index: torch.Tensor | None, kvs: list[ProjectedContext]
-) -> tuple[PackedTokens, list[ProjectedContext]]:
+    x: torch.Tensor,
+    text_mask: torch.Tensor | None,
+    image_index: torch.Tensor | None,
+    kvs: list[ProjectedContext | ContextTokens],
+) -> tuple[PackedTokens, list[ProjectedContext | ContextTokens]]:
     """The layout of text ``x`` ``(B, Lt, dim)`` and the keys/values of each layer its groups read.
 
     In eager mode :class:`~vlfuse.layers.packing.PackedTokens` (the fast layout) and ``kvs`` as
@@ -223,6 +232,12 @@ class FusionStack(nn.Module):
 
     Image keys/values can be projected once for all layers with :meth:`project_context` and
     shared between several questions about one image through ``image_index``.
+
+    With :meth:`set_grad_checkpointing`, each block runs in training under a non-reentrant
+    ``torch.utils.checkpoint``: backward keeps the block's inputs and recomputes the rest. Given the
+    image tokens (``context``) rather than ``kvs``, each block then projects its keys/values inside
+    its checkpoint, so that backward keeps the image tokens once instead of every block's keys and
+    values (``(Bi, H, Li, hd)`` twice per block: the largest tensors of the stack).
     """
 
     def __init__(self, depth: int, dim: int, num_heads: int = 16, **block_kwargs) -> None:
@@ -230,9 +245,20 @@ class FusionStack(nn.Module):
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
         self.blocks = nn.ModuleList(FusionBlock(dim, num_heads, **block_kwargs) for _ in range(depth))
+        self.grad_checkpointing = False
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations in backward instead of keeping them (in training, with
+        gradients enabled; evaluation and inference run as before)."""
+        self.grad_checkpointing = enable
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether the blocks run checkpointed now: switched on, in training, with gradients enabled."""
+        return self.grad_checkpointing and self.training and torch.is_grad_enabled()
 
     def project_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> list[ProjectedContext]:
         """Keys/values of ``context`` ``(B, Li, kv_dim)`` for every layer."""
@@ -254,7 +280,8 @@ class FusionStack(nn.Module):
 
         Args:
             x: ``(B, Lt, dim)`` text tokens.
-            context / context_mask: image tokens ``(Bi, Li, kv_dim)`` and mask, or ``kvs``.
+            context / context_mask: image tokens ``(Bi, Li, kv_dim)`` and mask, or ``kvs``; each
+                block projects its keys/values from ``context`` as it runs (inside its checkpoint).
             image_index: ``(B,)`` the image row of each text row, when ``Bi != B``.
             weights_from: layer indices whose cross-attention weights to return; only those
                 layers leave the fast path.
@@ -267,7 +294,7 @@ class FusionStack(nn.Module):
         if kvs is None:
             if context is None:
                 raise ValueError("pass context or kvs")
-            kvs = self.project_context(context, context_mask)
+            kvs = [ContextTokens(context, context_mask)] * len(self.blocks)
         elif context is not None or context_mask is not None:
             raise ValueError("pass either context (with context_mask) or kvs, not both")
         if len(kvs) != len(self.blocks):
@@ -282,10 +309,27 @@ class FusionStack(nn.Module):
         layout, kvs = layout_of(x, text_mask, image_index, kvs)
         tokens = layout.pack(x)  # (N, dim)
         weights: dict[int, torch.Tensor] = {}
+        checkpointing = self.checkpointing
         for i, (block, kv, head_mask) in enumerate(zip(self.blocks, kvs, head_masks)):
-            tokens, layer_weights = block.forward_packed(
-                tokens, kv, layout, need_weights=i in wanted, head_mask=layout.per_token(head_mask)
-            )
+            step = (block, tokens, kv, layout, i in wanted, layout.per_token(head_mask))
+            if checkpointing:
+                tokens, layer_weights = checkpoint(run_block, *step, use_reentrant=False)
+            else:
+                tokens, layer_weights = run_block(*step)
             if layer_weights is not None:
                 weights[i] = unpack_weights(layer_weights, layout)
         return layout.unpack(tokens, x), weights
+
+
+def run_block(
+    block: FusionBlock,
+    tokens: torch.Tensor,
+    kv: ProjectedContext | ContextTokens,
+    layout: PackedTokens,
+    need_weights: bool,
+    head_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:meth:`FusionBlock.forward_packed`, after projecting ``kv`` when it is :class:`ContextTokens`
+    (in the stack's checkpoint, the projection is recomputed in backward with the block)."""
+    kv = block.cross_attn.keys_values(kv=kv)
+    return block.forward_packed(tokens, kv, layout, need_weights=need_weights, head_mask=head_mask)
