@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Container, Sequence
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from vlfuse.data.answers import AnswerVocab
 from vlfuse.data.records import ImageQuestions, ImageSource
@@ -35,7 +35,7 @@ class GroupedVQADataset(Dataset):
         keep_decoded_bytes: keep each decoded, resized image for the next epochs, up to this
             many bytes in all (the first images, in the order they are asked for); 0 decodes every
             image each time. A 32x32 image takes 12 KiB (easy-VQA's default size), a 224x224 one
-            588 KiB.
+            588 KiB. DataLoader worker processes keep none (see :meth:`decoded_budget`).
 
     Attributes:
         decode_images: load and resize each image into ``pixel_values``. ``False`` (see
@@ -84,10 +84,17 @@ class GroupedVQADataset(Dataset):
             return kept
         pixels = preprocess_image(self.records[i].image, self.image_size, self.interpolation)
         size = pixels.numel() * pixels.element_size()
-        if self._decoded_bytes + size <= self.keep_decoded_bytes:
+        if self._decoded_bytes + size <= self.decoded_budget():
             self._decoded[i] = pixels
             self._decoded_bytes += size
         return pixels
+
+    def decoded_budget(self) -> int:
+        """The bytes of decoded images this process may keep: ``keep_decoded_bytes``, and none in a
+        DataLoader worker, which lasts one pass over the data (the datamodules' loaders start their
+        workers anew each pass): what it kept would leave with it. With workers, images are decoded
+        in parallel every pass instead."""
+        return 0 if get_worker_info() is not None else self.keep_decoded_bytes
 
     def _indices(self, answers: Sequence[str]) -> list[int]:
         return [self.vocab.index(a) if a in self.vocab else IGNORE_INDEX for a in answers]

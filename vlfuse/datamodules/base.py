@@ -173,12 +173,12 @@ class VQADataModule(L.LightningDataModule):
         return UnrepeatedDistributedSampler(dataset, shuffle=False, **kwargs)
 
     def _loader_options(self) -> dict:
-        return dict(
-            batch_size=self.batch_size,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            collate_fn=collate_grouped,
-        )
+        """The DataLoader options of every split. Workers start anew each pass over the data
+        (``persistent_workers`` false): they see the dataset as it is then (a frozen encoder that has
+        cached every image turns decoding off, :meth:`GroupedVQADataset.decode_only_uncached`), and
+        each pass draws the one random number a new loader iterator takes from torch's generator, as
+        without workers, so that a run trains the same with any number of them."""
+        return dict(batch_size=self.batch_size, num_workers=self.num_workers, collate_fn=collate_grouped)
 
     def _loader(self, split: str) -> DataLoader:
         """An evaluation split in order (this rank's share of it under DDP)."""

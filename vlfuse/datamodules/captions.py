@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -13,8 +14,9 @@ from vlfuse.captioning.grammar import describe
 from vlfuse.data import AnswerVocab
 from vlfuse.data.captions import CaptionDataset, EpochTaggedSampler, ImageCaptions, collate_captions
 from vlfuse.data.coco_captions import load_coco_captions, load_karpathy_split
-from vlfuse.data.shapes import Scene, render_scenes, sample_scenes
+from vlfuse.data.shapes import Scene, load_released_split, read_scenes, render_scenes, sample_scenes
 from vlfuse.datamodules.base import VQADataModule
+from vlfuse.datamodules.shapes import find_shapes_dir
 
 SPLIT_STREAMS = {"train": 0, "val": 1, "test": 2}
 """First word of each split's seed: split streams never coincide, whatever ``seed`` is."""
@@ -79,6 +81,41 @@ def generate_scenes(count: int, rng: np.random.Generator, exclude: frozenset = f
     return scenes
 
 
+class ReleasedCaptions(NamedTuple):
+    """Released SHAPES images captioned from the scenes read from their pixels (:func:`released_captions`)."""
+
+    records: list[ImageCaptions]
+    rows: int
+    """Rows of the split (images, repeats included)."""
+    distinct: int
+    """Distinct images among them."""
+    ambiguous: int
+    """Distinct images left out because their reading is not unambiguous."""
+
+
+def released_captions(data_dir: str | Path | None, split: str) -> ReleasedCaptions:
+    """The images of a released SHAPES split, each once, captioned by the grammar from the scene read
+    from its pixels (:func:`~vlfuse.data.shapes.read_scenes`).
+
+    An image repeated in the split (one per question) is kept once, at its first row (its id is
+    ``shapes/<split>/<row>``); images whose reading is not unambiguous, or whose scene has no
+    object, are left out (counted in ``ambiguous``; the released images have none of either).
+
+    Args:
+        data_dir: folder of the released files (``None``: see :func:`~vlfuse.datamodules.shapes.find_shapes_dir`).
+        split: ``train.tiny``, ``train.small`` or ``val`` (the test split is refused).
+    """
+    data = load_released_split(find_shapes_dir(data_dir), split)
+    first_rows = list({image.tobytes(): row for row, image in reversed(list(enumerate(data.images)))}.values())[::-1]
+    readings = read_scenes(data.images[first_rows])
+    records = [
+        ImageCaptions(data.images[row], [describe(reading.scene)], image_id=f"shapes/{split}/{row}", scene=reading.scene)
+        for row, reading in zip(first_rows, readings)
+        if reading.unambiguous and has_objects(reading.scene)
+    ]
+    return ReleasedCaptions(records, len(data), len(first_rows), len(first_rows) - len(records))
+
+
 class ShapesCaptionsDataModule(CaptionDataModule):
     """SHAPES scenes (3x3 grids of coloured shapes) captioned by the grammar of
     :mod:`vlfuse.captioning.grammar`, one caption per image; batches carry the scenes, so captions
@@ -93,24 +130,51 @@ class ShapesCaptionsDataModule(CaptionDataModule):
       held-apart scene is trained on. (Two random scenes are equal with probability 9^-9, so 20,000
       training scenes would share one with 1,500 val and test scenes in about 7% of seeds.) 'val'
       and 'test' are not kept apart from each other.
+    - ``released_train_splits`` adds the images of released SHAPES training splits to 'train',
+      captioned from the scenes read from their pixels (:func:`released_captions`), each image once
+      (``train.tiny`` is the first 64 images of ``train.small``) and ``released_repeats`` times per
+      epoch. The released ``val`` split is refused: it measures how captions transfer to the
+      released images (``scripts/caption_errors.py --released val``).
 
     Args:
-        num_train_scenes, num_val_scenes, num_test_scenes: images of each split.
+        num_train_scenes, num_val_scenes, num_test_scenes: generated images of each split.
+        released_train_splits: released splits whose images join 'train' (``train.tiny``, ``train.small``).
+        released_dir: folder of the released SHAPES files (``None``: ``$VLFUSE_SHAPES_DIR``, then
+            ``../shared/data/shapes``).
+        released_repeats: how many times each released image is trained on per epoch.
         **kwargs: see :class:`~vlfuse.datamodules.VQADataModule` (``seed`` seeds the training scenes).
     """
 
     def __init__(
-        self, num_train_scenes: int = 20000, num_val_scenes: int = 500, num_test_scenes: int = 1000, **kwargs
+        self,
+        num_train_scenes: int = 20000,
+        num_val_scenes: int = 500,
+        num_test_scenes: int = 1000,
+        released_train_splits: Sequence[str] = (),
+        released_dir: Optional[str] = None,
+        released_repeats: int = 1,
+        **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         self.counts = {"train": num_train_scenes, "val": num_val_scenes, "test": num_test_scenes}
         for split, count in self.counts.items():
             if count < 1:
                 raise ValueError(f"num_{split}_scenes must be at least 1, got {count}")
+        for split in released_train_splits:
+            if not split.startswith("train."):
+                raise ValueError(
+                    f"released_train_splits: {split!r} is not a released training split (train.tiny, train.small); "
+                    "the released val images measure transfer and are never trained on"
+                )
+        if released_repeats < 1:
+            raise ValueError(f"released_repeats must be at least 1, got {released_repeats}")
+        self.released_train_splits = list(released_train_splits)
+        self.released_dir = released_dir
+        self.released_repeats = released_repeats
         self._scenes: dict[str, tuple[list[Scene], np.ndarray]] = {}
 
     def scenes(self, split: str) -> tuple[list[Scene], np.ndarray]:
-        """The (cached) scenes of ``split`` and their RGB uint8 images (N, 30, 30, 3)."""
+        """The (cached) generated scenes of ``split`` and their RGB uint8 images (N, 30, 30, 3)."""
         if split not in self._scenes:
             held_apart = split != "train"
             rng = scene_rng(split, HELD_APART_SEED if held_apart else self.seed)
@@ -122,12 +186,24 @@ class ShapesCaptionsDataModule(CaptionDataModule):
             self._scenes[split] = (scenes, images)
         return self._scenes[split]
 
+    @cached_property
+    def released_train_records(self) -> list[ImageCaptions]:
+        """The images of ``released_train_splits``, each once, captioned from their read scenes."""
+        seen: dict[bytes, ImageCaptions] = {}
+        for split in self.released_train_splits:
+            for record in released_captions(self.released_dir, split).records:
+                seen.setdefault(record.image.tobytes(), record)
+        return list(seen.values())
+
     def load_records(self, split: str) -> list[ImageCaptions]:
         scenes, images = self.scenes(split)
-        return [
+        records = [
             ImageCaptions(image, [describe(scene)], image_id=f"shapes-captions/{split}/{i}", scene=scene)
             for i, (scene, image) in enumerate(zip(scenes, images))
         ]
+        if split == "train":
+            records += self.released_train_records * self.released_repeats
+        return records
 
 
 # --------------------------------------------------------------------------------------- COCO
