@@ -22,6 +22,7 @@ from vlfuse.data import IGNORE_INDEX, AnswerVocab, GroupedVQADataset
 from vlfuse.data.answers import quoted
 from vlfuse.datamodules import VQADataModule
 from vlfuse.encoders import ImageEncoderConfig
+from vlfuse.encoders.feature_store import DiskFeatureStore
 from vlfuse.metrics import VQASoftAccuracy
 from vlfuse.model import CHECKPOINTED_PARTS, VLFuseConfig, VLFuseModel, VLFuseOutput
 from vlfuse.runtime import lightning_accelerator
@@ -64,6 +65,11 @@ class VLFuseLitModule(L.LightningModule):
             (:meth:`VLFuseModel.set_grad_checkpointing`): ``True`` for every part that keeps some,
             or a list of parts among ``image``, ``text``, ``fuser``. A training setting: the
             checkpoints' hyperparameters hold it, a saved model folder does not.
+        feature_store: a folder written by ``vlfuse cache-features`` for this model's frozen image
+            encoder: its features are read from disk instead of computed, in training and evaluation,
+            and the images it holds are not decoded (:meth:`ImageEncoder.use_feature_store
+            <vlfuse.encoders.ImageEncoder.use_feature_store>`). A training setting, as
+            ``activation_checkpointing``.
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class VLFuseLitModule(L.LightningModule):
         pretrained: str | None = None,
         new_answers: Literal["refuse", "extend"] = "refuse",
         activation_checkpointing: bool | list[str] = False,
+        feature_store: str | None = None,
     ) -> None:
         super().__init__()
         if new_answers not in ("refuse", "extend"):
@@ -97,6 +104,7 @@ class VLFuseLitModule(L.LightningModule):
                 "pretrained": pretrained,
                 "new_answers": new_answers,
                 "activation_checkpointing": activation_checkpointing,
+                "feature_store": feature_store,
             }
         )
         self.model: VLFuseModel | None = None
@@ -117,6 +125,7 @@ class VLFuseLitModule(L.LightningModule):
         self.configure_datamodule(datamodule)
         if self.model is None:
             self.build_model(datamodule.answers, datamodule.train_questions)
+        datamodule.stored_features = self.model.image_encoder.store
 
     def use_pretrained(self, directory: str, datamodule: VQADataModule) -> None:
         """Use the model saved in ``directory`` and label ``datamodule``'s questions with its answers;
@@ -156,6 +165,8 @@ class VLFuseLitModule(L.LightningModule):
         parts = self.hparams.get("activation_checkpointing", False)
         if parts:
             model.set_grad_checkpointing(True, None if parts is True else parts)
+        if self.hparams.get("feature_store"):
+            model.image_encoder.use_feature_store(DiskFeatureStore(self.hparams.feature_store))
         num_classes = len(model.answers) + 1  # the last: every answer the model lacks (see _step)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
@@ -243,10 +254,11 @@ class VLFuseLitModule(L.LightningModule):
         return self._step(batch, "train", self.train_acc)
 
     def on_train_epoch_end(self) -> None:
-        """Once a frozen image encoder has cached every training image, the loader stops decoding them."""
+        """Once a frozen image encoder has cached (or stored) every training image, the loader stops decoding them."""
         dataset = getattr(self.trainer.train_dataloader, "dataset", None)
-        if self.model.image_encoder.cache is not None and isinstance(dataset, GroupedVQADataset):
-            dataset.decode_only_uncached(self.model.image_encoder.cache)
+        held = self.model.image_encoder.held_features()
+        if held is not None and isinstance(dataset, GroupedVQADataset):
+            dataset.decode_only_uncached(held)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._step(batch, "val", self.val_acc)

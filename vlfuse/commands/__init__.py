@@ -69,6 +69,12 @@ SUBCOMMANDS = {
         "Write a saved answering model as an ONNX folder (model.onnx, tokenizer, answers) that onnxruntime runs "
         "without vlfuse's model code, optionally quantized to int8; checked against PyTorch before it is written.",
     ),
+    "cache-features": Subcommand(
+        "vlfuse.commands.cache_features",
+        "Run a config's frozen image encoder once over every image of its data and write the features to "
+        "safetensors shards with an index (--out DIR; --dtype float16 halves them), resuming an interrupted run; "
+        "vlfuse fit --model.feature_store DIR then reads them instead of running the encoder.",
+    ),
     "card": Subcommand(
         "vlfuse.commands.card",
         "Print a saved model's card (its README.md: architecture, parameters, training data, metrics with the "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 import lightning as L
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
@@ -70,6 +70,9 @@ class VQADataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.image_size = image_size
         self.interpolation = "bilinear"  # the model's image encoder sets its own (vlfuse.lit.agree_image_transform)
+        self.stored_features: Container[str] | None = None
+        """Image keys whose features the model reads from disk (a feature store, set by the Lightning
+        module): a split whose every image is in it is not decoded."""
         self.num_workers = num_workers
         self.limit_images = limit_images
         self.seed = seed
@@ -156,7 +159,10 @@ class VQADataModule(L.LightningDataModule):
     def dataset(self, split: str) -> GroupedVQADataset:
         if self.image_size is None:
             raise ValueError("image_size is not set: give data.image_size or let the model set it")
-        return GroupedVQADataset(self.records(split), self.split_vocab(split), self.image_size, interpolation=self.interpolation)
+        dataset = GroupedVQADataset(self.records(split), self.split_vocab(split), self.image_size, interpolation=self.interpolation)
+        if self.stored_features is not None:
+            dataset.decode_only_uncached(self.stored_features)
+        return dataset
 
     def _eval_sampler(self, split: str, dataset: GroupedVQADataset) -> Sampler | None:
         """Under a multi-process trainer, each rank's share of an evaluation split: every image

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Container, Sequence
 
 import timm
 import torch
@@ -14,6 +15,7 @@ from timm.models import get_pretrained_cfg
 
 from vlfuse.encoders.adapters import AdaptableEncoder, AdapterConfig, parse_adapter
 from vlfuse.encoders.cache import FeatureCache, tensor_key
+from vlfuse.encoders.feature_store import DiskFeatureStore, encoder_identity
 from vlfuse.encoders.hub import use_cache_if_hub_unreachable, weights_not_fetched
 from vlfuse.data.transforms import INTERPOLATIONS, check_interpolation
 from vlfuse.errors import first_line
@@ -177,6 +179,9 @@ class ImageEncoder(AdaptableEncoder):
         if config.freeze:
             self.vit.requires_grad_(False).eval()  # from the start: Lightning trains without calling train()
         self.cache = FeatureCache() if config.freeze and config.cache_features else None
+        self.store: DiskFeatureStore | None = None
+        """The features on disk it reads instead of running (:meth:`use_feature_store`)."""
+        self._warned_missing = False
 
     def train(self, mode: bool = True) -> "ImageEncoder":
         """``self.training`` follows the model; a frozen ViT stays in eval mode (no dropout)."""
@@ -211,14 +216,46 @@ class ImageEncoder(AdaptableEncoder):
         """Tokens before the patch tokens (CLS, registers)."""
         return self.vit.num_prefix_tokens
 
+    def feature_identity(self) -> dict[str, Any]:
+        """What its features depend on (:func:`~vlfuse.encoders.feature_store.encoder_identity`): the
+        timm name, the digest of the ViT's weights and the preprocessing."""
+        return encoder_identity(self.config.name, self.vit, vars(self.config))
+
+    def use_feature_store(self, store: DiskFeatureStore) -> None:
+        """Read the features of the images ``store`` holds instead of running, in training and
+        evaluation alike; images it lacks are encoded (through the in-memory cache in training, if
+        there is one). Only a frozen encoder reads a store, and only one written by this same encoder
+        (a ``ValueError`` names the field that differs)."""
+        if not self.config.freeze:
+            raise ValueError(f"feature store {store.directory}: the image encoder is trained, not frozen: set model.architecture.image.freeze true")
+        store.check_encoder(self.feature_identity())
+        tokens = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+        if store.shape != (tokens, self.width):
+            raise ValueError(f"feature store {store.directory} holds features {list(store.shape)}, this encoder gives {[tokens, self.width]}")
+        self.store = store
+
+    def held_features(self) -> Container[str] | None:
+        """The image keys whose features it has without pixels in training (in its store or its
+        cache), for :meth:`~vlfuse.data.GroupedVQADataset.decode_only_uncached`; ``None`` with neither."""
+        if self.store is None:
+            return self.cache
+        return HeldFeatures(self.store, self.cache)
+
     def forward(self, pixels: torch.Tensor | None, keys: Sequence[str | None] | None = None) -> torch.Tensor:
         """``pixels`` (B, 3, S, S) in [0, 1] -> tokens (B, prefix + rows * cols, width).
 
         In training, a frozen encoder with a cache runs only on images it has not seen before,
         each known by its entry of ``keys`` (its file, see :func:`vlfuse.data.dataset.image_key`)
         or, where that is ``None`` or ``keys`` is, by its pixels; ``pixels`` may then be ``None``
-        if every key is cached.
+        if every key is cached. With a feature store (:meth:`use_feature_store`), the images it
+        holds are read from it, in training and evaluation, and need no pixels.
         """
+        if self.store is not None and keys is not None:
+            return self._with_store(pixels, keys)
+        return self._encode_or_cache(pixels, keys)
+
+    def _encode_or_cache(self, pixels: torch.Tensor | None, keys: Sequence[str | None] | None) -> torch.Tensor:
+        """:meth:`forward` without a store."""
         if self.cache is None or not self.training:
             return self._encode(pixels_given(pixels))
         if keys is None or None in keys:
@@ -227,8 +264,39 @@ class ImageEncoder(AdaptableEncoder):
         rows = self.cache.get(keys, lambda new: self._encode(pixels_given(pixels, keys[new[0]])[new]))
         return torch.stack(rows)
 
+    def _with_store(self, pixels: torch.Tensor | None, keys: Sequence[str | None]) -> torch.Tensor:
+        """:meth:`forward` with a store: its rows for the keys it holds, the encoder's for the others."""
+        stored = [i for i, key in enumerate(keys) if key is not None and key in self.store]
+        dtype, device = self.mean.dtype, self.mean.device
+        if len(stored) == len(keys):
+            return self.store.get(keys).to(device=device, dtype=dtype)
+        held = set(stored)
+        missing = [i for i in range(len(keys)) if i not in held]
+        if not self._warned_missing:
+            warnings.warn(f"image {keys[missing[0]]!r} is not in the feature store {self.store.directory}: images it lacks are encoded", stacklevel=3)
+            self._warned_missing = True
+        pixels = pixels_given(pixels, keys[missing[0]])
+        computed = self._encode_or_cache(pixels[missing], [keys[i] for i in missing])  # (missing, tokens, width)
+        if not stored:
+            return computed
+        features = computed.new_empty((len(keys), *computed.shape[1:]))
+        features[missing] = computed
+        features[stored] = self.store.get([keys[i] for i in stored]).to(device=device, dtype=dtype)
+        return features
+
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.vit.forward_features((pixels - self.mean) / self.std)
+
+
+class HeldFeatures:
+    """The image keys of a feature store and of an in-memory cache together (``in`` looks in both)."""
+
+    def __init__(self, store: Container[str], cache: Container[str] | None) -> None:
+        self.store = store
+        self.cache = cache
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.store or (self.cache is not None and key in self.cache)
 
 
 def pixels_given(pixels: torch.Tensor | None, uncached_key: str | None = None) -> torch.Tensor:
