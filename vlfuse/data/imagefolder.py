@@ -285,12 +285,32 @@ def _group(rows: Iterable[_Row | BadRowError], skip_bad_rows: bool) -> LoadedSpl
     return LoadedSplit(list(by_image.values()), skipped)
 
 
-def _inside(folder: Path, file_name: str, where: str, column: str, within: str) -> Path:
-    """``folder / file_name``, which must lie inside ``folder`` once ``..`` and links are resolved."""
-    path = folder / file_name
-    if not path.resolve().is_relative_to(folder.resolve()):
-        raise BadRowError(f"{where}: {column} {file_name!r} is outside {within} (allow_outside_paths reads it)")
-    return path
+class _Inside:
+    """``folder / file_name`` for the rows of one table, each of which must lie inside ``folder`` once
+    ``..`` and links are resolved; each distinct ``file_name`` is resolved once (a table of 200,000
+    rows over 20,000 images resolves 20,000 paths).
+
+    Args:
+        folder: the table's folder.
+        column: the image column's name, for messages.
+        within: how messages name ``folder``.
+    """
+
+    def __init__(self, folder: Path, column: str, within: str) -> None:
+        self.folder = folder
+        self.resolved = folder.resolve()
+        self.column = column
+        self.within = within
+        self.paths: dict[str, Path | None] = {}  # None: outside
+
+    def __call__(self, file_name: str, where: str) -> Path:
+        if file_name not in self.paths:
+            path = self.folder / file_name
+            self.paths[file_name] = path if path.resolve().is_relative_to(self.resolved) else None
+        path = self.paths[file_name]
+        if path is None:
+            raise BadRowError(f"{where}: {self.column} {file_name!r} is outside {self.within} (allow_outside_paths reads it)")
+        return path
 
 
 def _table_rows(
@@ -298,13 +318,14 @@ def _table_rows(
 ) -> Iterable[_Row | BadRowError]:
     folder = table.path.parent
     check = _Checked(image_size)
+    inside = _Inside(folder, columns["image"], within)
     for where, row in table.rows:
         try:
             if isinstance(row, BadRowError):
                 raise row
             question, answer, humans = _question_and_answers(row, columns, where)
             file_name = _text(row, "image", columns, where)
-            path = folder / file_name if allow_outside_paths else _inside(folder, file_name, where, columns["image"], within)
+            path = folder / file_name if allow_outside_paths else inside(file_name, where)
             check(file_name, path, where)
             yield _Row(file_name, str(path), question, answer, humans)
         except BadRowError as err:

@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""A large imagefolder dataset, read as `vlfuse fit` reads it: metadata checked up front, memory, an epoch.
+
+Writes (once) ``--rows`` questions over ``--images`` small PNG images into ``DIR/train/`` (a
+``metadata.jsonl``), then, in a fresh process for each measurement:
+
+- **check**: ``ImageFolderDataModule.records("train")``, what ``vlfuse fit`` does before training
+  (every row parsed, every distinct image's header read and decoded at the model's size): seconds,
+  and the process's peak resident memory after importing vlfuse and after the check;
+- **epoch**: one pass of the training loader without a model (decode, resize, batch): seconds and
+  images/s;
+- **bad row**: the same check with one bad row appended (an image that does not exist): the line
+  ``vlfuse fit`` stops with, naming the file and the line, before training.
+
+Example:
+    .venv/bin/python scripts/stress_imagefolder.py --rows 200000 --images 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import REPO
+from PIL import Image
+
+MEASURE = """
+import json, resource, sys, time
+start = time.perf_counter()
+from vlfuse.datamodules import ImageFolderDataModule
+imported_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+data = ImageFolderDataModule(data_dir=sys.argv[1], image_size=int(sys.argv[2]), batch_size=int(sys.argv[3]))
+checked = time.perf_counter()
+try:
+    records = data.records("train")
+except ValueError as err:
+    print(json.dumps({"error": str(err)}))
+    raise SystemExit(0)
+result = {"import_s": checked - start, "check_s": time.perf_counter() - checked, "images": len(records),
+          "rows": sum(len(r.questions) for r in records), "imported_mb": imported_mb,
+          "checked_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+if sys.argv[4] == "epoch":
+    loader = data.train_dataloader()
+    started = time.perf_counter()
+    result["epoch_images"] = sum(batch["pixel_values"].shape[0] for batch in loader)
+    result["epoch_s"] = time.perf_counter() - started
+    result["epoch_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(result))
+"""
+
+
+def write_dataset(folder: Path, rows: int, images: int, side: int = 16, seed: int = 0) -> Path:
+    """``folder/train``: ``images`` PNGs of ``side`` px and a ``metadata.jsonl`` of ``rows`` questions,
+    row i about image ``i mod images``; written once (the metadata file, written last, marks it done)."""
+    split = folder / "train"
+    metadata = split / "metadata.jsonl"
+    if metadata.is_file() and sum(1 for _ in metadata.open()) == rows:
+        return folder
+    split.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(images):
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(split / f"{i:06d}.png")
+    with metadata.open("w") as out:
+        for r in range(rows):
+            row = {"file_name": f"{r % images:06d}.png", "question": f"what is shown in part {r % 97}?", "answer": f"thing {r % 50}"}
+            out.write(json.dumps(row) + "\n")
+    return folder
+
+
+def measure(folder: Path, image_size: int, batch_size: int, what: str) -> dict:
+    """One measurement in a fresh Python process (its memory is the process's own)."""
+    command = [sys.executable, "-c", MEASURE, str(folder), str(image_size), str(batch_size), what]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if result.returncode != 0:
+        raise SystemExit(f"error: the measurement failed: {result.stderr.strip().splitlines()[-1]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def with_bad_row(folder: Path, bad: Path) -> Path:
+    """A copy of ``folder``'s metadata (its images hard-linked: a symbolic link leads outside the split
+    folder, itself a bad row) with a row about a missing image at the end."""
+    split = bad / "train"
+    split.mkdir(parents=True, exist_ok=True)
+    for image in (folder / "train").glob("*.png"):
+        target = split / image.name
+        if not target.exists():
+            os.link(image, target)
+    lines = (folder / "train" / "metadata.jsonl").read_text()
+    missing = {"file_name": "missing.png", "question": "what is here?", "answer": "thing 0"}
+    (split / "metadata.jsonl").write_text(lines + json.dumps(missing) + "\n")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=REPO / "runs" / "stress_imagefolder", metavar="DIR",
+                        help="where the dataset is written (once) and read from")
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--images", type=int, default=20_000)
+    parser.add_argument("--image-size", type=int, default=32, help="the side the model reads (default 32)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--no-epoch", action="store_true", help="measure the check only")
+    args = parser.parse_args(argv)
+    if args.images < 1 or args.rows < args.images:
+        raise SystemExit("error: --images must be at least 1 and --rows at least --images")
+    started = time.perf_counter()
+    folder = write_dataset(args.data, args.rows, args.images)
+    print(f"dataset: {args.rows:,} rows over {args.images:,} images of 16 px in {folder} ({time.perf_counter() - started:.0f} s)")
+    result = measure(folder, args.image_size, args.batch_size, "check" if args.no_epoch else "epoch")
+    print(f"check: {result['rows']:,} rows, {result['images']:,} images in {result['check_s']:.1f} s "
+          f"(imports {result['import_s']:.1f} s); peak memory {result['imported_mb']:.0f} MB after the imports, "
+          f"{result['checked_mb']:.0f} MB after the check")
+    if not args.no_epoch:
+        print(f"epoch: {result['epoch_images']:,} images in {result['epoch_s']:.1f} s "
+              f"({result['epoch_images'] / result['epoch_s']:.0f} images/s), peak memory {result['epoch_mb']:.0f} MB")
+    bad = measure(with_bad_row(folder, args.data.with_name(args.data.name + "_bad_row")), args.image_size, args.batch_size, "check")
+    print(f"bad row: {bad.get('error', 'NOT FOUND')}")
+
+
+if __name__ == "__main__":
+    main()
