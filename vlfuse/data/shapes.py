@@ -11,8 +11,9 @@ of cells intersect. This module holds, in plain Python and numpy:
   generator, to regenerate training images that are not released;
 - :func:`load_released_split` / :func:`read_questions`: the released ``<split>.query``,
   ``<split>.output`` and ``<split>.input.npy`` files, checked line by line;
-- :func:`read_scene`: recover the scene of a 30x30 image, to check the evaluator against the
-  released answers (:func:`evaluator_agreement`).
+- :func:`read_scenes` / :func:`read_scene`: recover the scene of a 30x30 image, with a margin for
+  each cell, to check the evaluator against the released answers (:func:`evaluator_agreement`) and
+  to caption released images.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import re
 import zlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -231,33 +233,128 @@ def sample_scenes(count: int, rng: np.random.Generator) -> list[Scene]:
     ]
 
 
-_SUBROWS = 8
-# Heights of the sample rows of one cell, relative to its centre (pixel centres at -4.5..4.5): (80,)
+# Drawing follows the published generator (nmn2's data/gen_shapes.py at commit 1361644), which
+# fills paths with cairo on a 30x30 surface; measured against the released images
+# (scripts/shapes_renderer_match.py), its three ways of covering pixels are:
+# - squares (a rectilinear path) are filled as boxes: each pixel gets its exact covered area;
+# - triangles and circles go through cairo's scan converter, which samples 15 rows per pixel and
+#   covers each sample row exactly between the outline's left and right edges;
+# - a circle (cairo_arc over 0..2 pi) is two cubic Beziers of half a circle each (for radii under
+#   about 5.4 px at cairo's default tolerance of 0.1 px), flattened into a polygon by halving
+#   each curve until its control points lie within the tolerance of its chord.
+_SUBROWS = 15
+# Heights of the sample rows of one cell, relative to its centre (pixel centres at -4.5..4.5): (150,)
 _ROW_Y = (np.arange(CELL * _SUBROWS) + 0.5) / _SUBROWS - CELL / 2
-# Left edges of the pixel columns of one cell, relative to its centre: (10,)
-_COLUMN_LEFT = np.arange(CELL) - CELL / 2
+ARC_TOLERANCE = 0.1
+"""Largest distance in pixels between a circle's Bezier curves and the polygon that fills them (cairo's default)."""
+_FLATTEN_DEPTH = 8
+"""Halvings of a half-circle curve considered; 3 suffice for the radii drawn (a radius below 54 px needs fewer than 8)."""
+
+
+def _halve(curve: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split a cubic Bezier (4, 2) at t = 1/2 (de Casteljau) into its two halves."""
+    ab, bc, cd = (curve[:-1] + curve[1:]) / 2
+    abc, bcd = (ab + bc) / 2, (bc + cd) / 2
+    middle = (abc + bcd) / 2
+    return np.array([curve[0], ab, abc, middle]), np.array([middle, bcd, cd, curve[3]])
+
+
+def _flatness(curve: np.ndarray) -> float:
+    """Squared distance of a cubic's inner control points from the segment joining its ends (the larger)."""
+    start, chord = curve[0], curve[3] - curve[0]
+    length2 = chord @ chord
+    worst = 0.0
+    for point in curve[1:3]:
+        offset = point - start
+        along = np.clip(offset @ chord / length2, 0.0, 1.0) if length2 else 0.0
+        offset = offset - along * chord
+        worst = max(worst, float(offset @ offset))
+    return worst
+
+
+def _flatten(curve: np.ndarray, limit: float, depth: int = 0) -> list[np.ndarray]:
+    """Start points of the segments that replace ``curve``: halve it until its flatness is below ``limit``."""
+    if depth == _FLATTEN_DEPTH or _flatness(curve) < limit:
+        return [curve[0]]
+    first, second = _halve(curve)
+    return _flatten(first, limit, depth + 1) + _flatten(second, limit, depth + 1)
+
+
+# The lower half of the unit circle as cairo draws it, from angle 0 to pi (y grows downwards):
+# control points at distance h = 4/3 tan(pi/4) along the tangents at its ends.
+_HALF_CIRCLE = np.array([[1.0, 0.0], [1.0, 4.0 / 3.0], [-1.0, 4.0 / 3.0], [-1.0, 0.0]])
+
+
+def _curve_flatness_by_depth() -> np.ndarray:
+    """Flatness of every sub-curve of the unit half circle down to ``_FLATTEN_DEPTH`` halvings, sorted."""
+    found, level = [], [_HALF_CIRCLE]
+    for _ in range(_FLATTEN_DEPTH):
+        found += [_flatness(curve) for curve in level]
+        level = [half for curve in level for half in _halve(curve)]
+    return np.unique(found)
+
+
+_FLATNESS = _curve_flatness_by_depth()
+
+
+@lru_cache(maxsize=None)
+def _unit_circle_right_side(flatter_than: int) -> tuple[np.ndarray, np.ndarray]:
+    """The right side of a flattened unit circle, top to bottom: (heights, half widths).
+
+    A sub-curve is flat enough when its flatness is below ``(tolerance / radius)^2``, so the polygon
+    depends on the radius only through how many of the sorted ``_FLATNESS`` values lie below that:
+    ``flatter_than``. The polygon is then the one of any radius with the same count.
+    """
+    limit = _FLATNESS[flatter_than] if flatter_than < len(_FLATNESS) else np.inf
+    lower = np.array(_flatten(_HALF_CIRCLE, limit) + [_HALF_CIRCLE[3]])  # from (1, 0) to (-1, 0)
+    right = lower[lower[:, 0] >= 0]  # (1, 0) ... (0, 1)
+    heights = np.concatenate([-right[::-1, 1], right[1:, 1]])  # the upper half mirrors the lower
+    widths = np.concatenate([right[::-1, 0], right[1:, 0]])
+    return heights, widths
+
+
+def _circle_half_widths(radii: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Half widths (n, len(y)) of the flattened circles of ``radii`` at heights ``y`` from the centre."""
+    half_widths = np.zeros((len(radii), len(y)))
+    unit_limits = (ARC_TOLERANCE / radii) ** 2  # a curve is flat enough when its unit flatness is below this
+    flatter_than = np.searchsorted(_FLATNESS, unit_limits)
+    for key in np.unique(flatter_than):
+        chosen = flatter_than == key
+        heights, widths = _unit_circle_right_side(int(key))
+        r = radii[chosen, None]
+        half_widths[chosen] = r * np.interp(y[None, :] / r, heights, widths, left=0.0, right=0.0)
+    return half_widths
+
+
+def _centred_overlap(half_width: np.ndarray) -> np.ndarray:
+    """Covered length of each pixel of a cell's row (last axis, 10) by [-half_width, half_width] about its centre.
+
+    The pixel from ``k`` to ``k + 1`` right of the centre is covered over ``clip(half_width - k, 0, 1)``;
+    the left half mirrors the right. ``half_width`` has any shape; a last axis of 10 is added.
+    """
+    right = np.clip(half_width[..., None] - np.arange(CELL // 2), 0.0, 1.0)
+    return np.concatenate([right[..., ::-1], right], axis=-1)
 
 
 def _coverage(shape: str, radii: np.ndarray) -> np.ndarray:
     """Share of each pixel of a cell covered by a shape centred in it, for each radius: (n, 10, 10).
 
     Circles have radius ``radius``, squares side ``2 * radius``; triangles point up, with the apex
-    ``radius`` above the centre and a base ``2 * radius`` wide, ``radius`` below it. Edges are
-    anti-aliased: each pixel averages 8 sample rows, on each of which the covered length is exact.
+    ``radius`` above the centre and a base ``2 * radius`` wide, ``radius`` below it. Pixels are
+    covered as cairo covers them for the published generator (see the comment above).
     """
+    radii = np.asarray(radii, dtype=np.float64)
+    if shape == "square":
+        side = _centred_overlap(radii)  # (n, 10), the same across and down
+        return side[:, :, None] * side[:, None, :]
     r = radii[:, None]  # (n, 1)
-    y = _ROW_Y[None, :]  # (1, 80), grows downwards
+    y = _ROW_Y[None, :]  # (1, 150), grows downwards
     if shape == "circle":
-        half_width = np.sqrt(np.clip(r**2 - y**2, 0.0, None))
-    elif shape == "square":
-        half_width = np.where(np.abs(y) <= r, r, 0.0)
+        half_width = _circle_half_widths(radii, _ROW_Y)
     else:
         half_width = np.where(y <= r, np.clip((y + r) / 2, 0.0, None), 0.0)
-    half_width = half_width[:, :, None]  # (n, 80, 1)
-    # overlap of [-half_width, half_width] with each pixel column: (n, 80, 10)
-    overlap = np.minimum(half_width, _COLUMN_LEFT + 1) - np.maximum(-half_width, _COLUMN_LEFT)
-    # (n, 80, 10) -> (n, 10, 8, 10): average the 8 sample rows of each pixel row
-    return np.clip(overlap, 0.0, 1.0).reshape(-1, CELL, _SUBROWS, CELL).mean(axis=2)
+    # (n, 150) -> (n, 150, 10) -> (n, 10, 15, 10): average the 15 sample rows of each pixel row
+    return _centred_overlap(half_width).reshape(-1, CELL, _SUBROWS, CELL).mean(axis=2)
 
 
 def _draw_objects(objects: Sequence[ShapeObject], rng: np.random.Generator) -> np.ndarray:
@@ -466,45 +563,92 @@ def distinct_queries(queries: Sequence[str]) -> list[str]:
 
 # --------------------------------------------------------------------------------- scene reader
 
+EMPTY_BELOW = 0.3
+"""A cell whose brightest channel stays below this share of full scale is empty (an object's colour has >= 0.8)."""
+UNAMBIGUOUS_MARGIN = 0.5
+"""Scene readings whose smallest cell margin is at least this are unambiguous (see :class:`SceneReading`)."""
+_READ_RADII = np.arange(2.0, 4.5, 0.01)
+"""Radii the reader tries for each shape (the generator draws 2.25-2.75 and 3.375-4.125 px)."""
 
-def _read_shape(coverage: np.ndarray) -> str:
-    """Tell the shape of one object from its coverage (10, 10) in [0, 1].
 
-    A triangle pointing up has most of its mass low: its row profile is skewed (skewness about
-    -0.5, against 0 for the symmetric circle and square). A square fills the square on its widest
-    row (area / widest^2 = 1), a circle does not (pi / 4).
+@lru_cache(maxsize=1)
+def _shape_templates() -> np.ndarray:
+    """Each shape's coverage at every radius of ``_READ_RADII``, flattened and scaled to unit length: (3, R, 100)."""
+    templates = np.stack([_coverage(shape, _READ_RADII).reshape(len(_READ_RADII), -1) for shape in SHAPES])
+    return templates / np.linalg.norm(templates, axis=-1, keepdims=True)
+
+
+@dataclass(frozen=True)
+class SceneReading:
+    """The scene read from one image, with how clear each cell's reading was.
+
+    Attributes:
+        scene: the cells as read.
+        margins: (3, 3), in [0, 1]. An object's margin is the smaller of its colour's (1 minus the
+            second channel's share of the dominant one, summed over the cell) and its shape's (1
+            minus the ratio of the best shape's unexplained share of the cell to the runner-up's,
+            each shape fitted at its best radius and brightness); an empty cell's is how far its
+            brightest value lies below :data:`EMPTY_BELOW`, relative to it (an object's, how far
+            above). 1 is a certain reading, 0 a tie.
     """
-    rows = coverage.sum(axis=1)  # (10,) mass of each row
-    y = np.arange(CELL)
-    mean = (rows * y).sum() / rows.sum()
-    variance = (rows * (y - mean) ** 2).sum() / rows.sum()
-    skewness = (rows * (y - mean) ** 3).sum() / rows.sum() / variance**1.5
-    if skewness < -0.2:
-        return "triangle"
-    widest = max(rows.max(), coverage.sum(axis=0).max())
-    return "square" if coverage.sum() / widest**2 > 0.9 else "circle"
+
+    scene: Scene
+    margins: np.ndarray
+
+    @property
+    def margin(self) -> float:
+        """The smallest cell margin."""
+        return float(self.margins.min())
+
+    @property
+    def unambiguous(self) -> bool:
+        """Whether every cell's margin is at least :data:`UNAMBIGUOUS_MARGIN`."""
+        return self.margin >= UNAMBIGUOUS_MARGIN
+
+
+def read_scenes(images: np.ndarray) -> list[SceneReading]:
+    """Read the scenes of 30x30 RGB SHAPES images (released or generated): uint8 (N, 30, 30, 3).
+
+    Each 10x10 cell is empty when its brightest channel stays below :data:`EMPTY_BELOW`; otherwise
+    its colour is the channel with the largest sum, and its shape the one whose drawing (the
+    generator's coverage at some radius, times a brightness) fits that channel best in least
+    squares: a triangle has its mass low, a square fills its corners, a circle does neither.
+    """
+    images = np.asarray(images)
+    if images.ndim != 4 or images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE, 3):
+        raise ValueError(f"read_scenes expects RGB images (N, 30, 30, 3), got shape {images.shape}")
+    # (N, 30, 30, 3) -> (N, 3, 3, 100, 3): the pixels of each cell
+    cells = images.astype(np.float64).reshape(-1, GRID, CELL, GRID, CELL, 3).transpose(0, 1, 3, 2, 4, 5) / 255.0
+    cells = cells.reshape(len(images), GRID, GRID, CELL * CELL, 3)
+    brightest = cells.max(axis=(3, 4))  # (N, 3, 3)
+    sums = np.sort(cells.sum(axis=3), axis=-1)  # (N, 3, 3, 3), ascending
+    channel = cells.sum(axis=3).argmax(axis=-1)  # (N, 3, 3)
+    colour_margin = 1.0 - sums[..., 1] / np.maximum(sums[..., 2], 1e-12)
+    mask = np.take_along_axis(cells, channel[..., None, None], axis=-1)[..., 0]  # (N, 3, 3, 100)
+    energy = np.maximum((mask**2).sum(axis=-1), 1e-12)
+    fit = (np.einsum("nrcp,skp->nrcsk", mask, _shape_templates()) ** 2).max(axis=-1) / energy[..., None]
+    unexplained = np.sort(1.0 - fit, axis=-1)  # (N, 3, 3, 3): each shape's share left unexplained, ascending
+    shape = fit.argmax(axis=-1)
+    shape_margin = 1.0 - unexplained[..., 0] / np.maximum(unexplained[..., 1], 1e-12)
+    present = brightest >= EMPTY_BELOW
+    presence_margin = np.minimum(np.abs(brightest - EMPTY_BELOW) / EMPTY_BELOW, 1.0)
+    margins = np.where(present, np.minimum.reduce([colour_margin, shape_margin, presence_margin]), presence_margin)
+    readings = []
+    for n in range(len(images)):
+        scene = tuple(
+            tuple(
+                ShapeObject(SHAPES[shape[n, row, col]], COLOURS[channel[n, row, col]]) if present[n, row, col] else None
+                for col in range(GRID)
+            )
+            for row in range(GRID)
+        )
+        readings.append(SceneReading(scene, np.clip(margins[n], 0.0, 1.0)))
+    return readings
 
 
 def read_scene(image: np.ndarray) -> Scene:
-    """Recover the scene of a 30x30 RGB SHAPES image (released or generated).
-
-    A cell is empty when its brightest channel stays below 0.3 of full scale; the colour is the
-    dominant channel; the shape comes from the coverage pattern (see :func:`_read_shape`).
-    """
-    image = np.asarray(image, dtype=np.float64) / 255.0
-    scene = []
-    for row in range(GRID):
-        cells = []
-        for col in range(GRID):
-            patch = image[row * CELL : (row + 1) * CELL, col * CELL : (col + 1) * CELL]  # (10, 10, 3)
-            if patch.max() < 0.3:
-                cells.append(None)
-                continue
-            channel = int(patch.sum(axis=(0, 1)).argmax())
-            coverage = patch[:, :, channel] / patch[:, :, channel].max()
-            cells.append(ShapeObject(_read_shape(coverage), COLOURS[channel]))
-        scene.append(tuple(cells))
-    return tuple(scene)
+    """Recover the scene of one 30x30 RGB SHAPES image (released or generated); see :func:`read_scenes`."""
+    return read_scenes(np.asarray(image)[None])[0].scene
 
 
 @dataclass
@@ -515,6 +659,8 @@ class Agreement:
     total: int
     mismatches: list[int]
     """Row indices where they disagree."""
+    ambiguous: list[int] = field(default_factory=list)
+    """Row indices whose scene reading is not unambiguous (:attr:`SceneReading.unambiguous`)."""
 
     @property
     def rate(self) -> float:
@@ -525,9 +671,11 @@ def evaluator_agreement(split: ShapesSplit) -> Agreement:
     """Evaluate every query on the scene read from its image and compare with the released answer."""
     if split.images is None:
         raise ValueError("evaluator_agreement needs images")
+    readings = read_scenes(split.images)
     mismatches = [
         i
-        for i, (image, query, answer) in enumerate(zip(split.images, split.queries, split.answers))
-        if answer_word(evaluate(query, read_scene(image))) != answer
+        for i, (reading, query, answer) in enumerate(zip(readings, split.queries, split.answers))
+        if answer_word(evaluate(query, reading.scene)) != answer
     ]
-    return Agreement(len(split) - len(mismatches), len(split), mismatches)
+    ambiguous = [i for i, reading in enumerate(readings) if not reading.unambiguous]
+    return Agreement(len(split) - len(mismatches), len(split), mismatches, ambiguous)
