@@ -357,7 +357,7 @@ class FeatureStoreWriter:
                  "shape": list(self.shape), "shards": [], "keys": {}}
         if (self.directory / INDEX_FILE).exists():
             self.index = read_index(self.directory)
-            different = mismatch({f: self.index[f] for f in ("encoder", "dtype", "shape")}, {f: fresh[f] for f in ("encoder", "dtype", "shape")})
+            different = mismatch(described(self.index), described(fresh))
             if different is not None:
                 self.close()
                 raise StoreError(f"{self.directory} holds another store ({different}): give another --out, or remove it")
@@ -421,6 +421,11 @@ class FeatureStoreWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def described(index: Mapping[str, Any]) -> dict[str, Any]:
+    """What a writer must agree with to resume a store: its encoder's identity, dtype and feature shape."""
+    return {**index["encoder"], "dtype": index["dtype"], "shape": index["shape"]}
 
 
 def rows_per_shard(shape: Sequence[int], dtype: torch.dtype, shard_bytes: int = DEFAULT_SHARD_BYTES) -> int:
