@@ -58,6 +58,8 @@ TINY_TRAINING = ["--trainer.max_epochs=1", "--model.architecture.fuser.depth=2"]
 SHRINK = [
     # (pattern of the command, arguments to add, where: "end" or "after" the matched text)
     (r"vlfuse (fit|validate|test)\b", "tiny training", "end"),
+    # the model and data options of the shrunk fit, so that the store is that fit's image encoder's
+    (r"vlfuse cache-features\b", [a for a in tiny_overrides() + TINY_TRAINING if a.startswith(("--model.", "--data."))], "end"),
     (r"vlfuse analyze\b", ["--max-batches", "1", "--limit-images", "8", "--fractions", "0", "0.5"], "end"),
     (r"vlfuse prune\b", ["--max-batches", "1", "--limit-images", "8", "--latency-questions", "4",
                          "--latency-repeats", "1"], "end"),
@@ -65,6 +67,7 @@ SHRINK = [
     (r"scripts/pointing_game\.py", ["--limit-images", "8"], "end"),
     (r"scripts/bench_training\.py", ["--batches", "1", "--repeats", "1", "--warmup", "0"], "end"),
     (r"scripts/bench_feature_cache\.py", ["--limit-images", "8", "--epochs", "2"], "end"),
+    (r"scripts/bench_feature_store\.py", ["--images", "2", "--batch-size", "2", "--repeats", "1", "--store-gb", "0.01"], "end"),
     (r"scripts/bench_lora\.py --steps", ["--steps", "1", "--rounds", "1"], "end"),
     (r"scripts/bench_lora\.py", ["--fit-args", "--trainer.max_epochs=1 --data.init_args.limit_images=8 "
                                  "--model.architecture.image.width=32 --model.architecture.image.depth=1"], "end"),

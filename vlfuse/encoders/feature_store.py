@@ -297,6 +297,11 @@ class DiskFeatureStore:
     def __iter__(self) -> Iterator[str]:
         return iter(self._places)
 
+    def place(self, key: str) -> tuple[int, int]:
+        """``(shard, row)`` of ``key``'s features (a ``KeyError`` if the store lacks it)."""
+        shard, row = self._places[key]
+        return shard, row
+
     def check_encoder(self, identity: Mapping[str, Any]) -> None:
         """A ``ValueError`` naming the first field where the encoder that wrote the store and
         ``identity`` (the model's, :func:`encoder_identity`) differ."""
@@ -352,26 +357,28 @@ class FeatureStoreWriter:
         except BlockingIOError:
             os.close(self._lock)
             raise StoreError(f"{self.directory}: another vlfuse cache-features is writing this store") from None
-        atomic.remove_abandoned(self.directory, ".")
+        try:
+            atomic.remove_abandoned(self.directory, ".")
+            self.index = self._resumed_or_new(encoder, dtype)
+        except BaseException:
+            self.close()
+            raise
+
+    def _resumed_or_new(self, encoder: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+        """The index there, if it is of the same encoder, dtype and shape; a new one for a folder
+        holding nothing but shards (left by a writer killed before its first index) and the lock."""
         fresh = {"format": STORE_FORMAT, "version": STORE_VERSION, "encoder": dict(encoder), "dtype": dtype_name(dtype),
                  "shape": list(self.shape), "shards": [], "keys": {}}
         if (self.directory / INDEX_FILE).exists():
-            self.index = read_index(self.directory)
-            different = mismatch(described(self.index), described(fresh))
+            index = read_index(self.directory)
+            different = mismatch(described(index), described(fresh))
             if different is not None:
-                self.close()
                 raise StoreError(f"{self.directory} holds another store ({different}): give another --out, or remove it")
-        else:
-            self._require_empty()
-            self.index = fresh
-
-    def _require_empty(self) -> None:
-        """Refuse a folder without an index that holds anything but shards (left by a writer killed
-        before its first index) and the lock."""
+            return index
         foreign = sorted(p.name for p in self.directory.iterdir() if p.name != LOCK_FILE and not SHARD_NAME.fullmatch(p.name))
         if foreign:
-            self.close()
             raise StoreError(f"{self.directory} is not a feature store (it holds {', '.join(foreign[:3])}): give another --out")
+        return fresh
 
     def __contains__(self, key: object) -> bool:
         return key in self.index["keys"]
@@ -392,6 +399,7 @@ class FeatureStoreWriter:
         temp = self._staging(target)
         try:
             save_file({TENSOR: features.contiguous()}, str(temp), metadata={"format": "pt"})
+            os.chmod(temp, 0o644)  # readable as the index is (safetensors creates it private)
             atomic.fsync(temp)
             os.replace(temp, target)
         except BaseException:
