@@ -123,7 +123,7 @@ def confusion_tables(confusion: Counter) -> str:
 def load_images(args, image_size: int) -> tuple[CaptionDataset, str]:
     """The images to caption and a phrase naming them: the held-apart test scenes, or a released split."""
     if args.released is None:
-        data = ShapesCaptionsDataModule(num_test_scenes=args.scenes, image_size=image_size)
+        data = ShapesCaptionsDataModule(num_test_scenes=args.scenes or 1000, image_size=image_size)
         return data.dataset("test"), "test scenes"
     try:
         released = released_captions(args.shapes_dir, args.released)
@@ -138,8 +138,9 @@ def load_images(args, image_size: int) -> tuple[CaptionDataset, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, metavar="DIR", help="a caption model written by vlfuse fit")
-    parser.add_argument("--scenes", type=int, default=1000,
-                        help="images: the first N of the held-apart test split (default 1000), or of the released split's")
+    parser.add_argument("--scenes", type=int, default=None,
+                        help="images: the first N of the held-apart test split (default 1000), or of the released "
+                             "split's distinct images (default all)")
     parser.add_argument("--released", metavar="SPLIT", choices=("val", "train.small", "train.tiny"),
                         help="caption the images of this released SHAPES split instead, checked against their read scenes")
     parser.add_argument("--shapes-dir", type=Path, metavar="DIR",
