@@ -78,6 +78,7 @@ SHRINK = [
     (r"scripts/bench_generate\.py", ["--images", "2", "--length", "4", "--repeats", "1", "--warmup", "0"], "end"),
     (r"vlfuse caption\b", ["--max-length", "4"], "end"),
     (r"scripts/caption_errors\.py", ["--scenes", "4", "--examples", "1"], "end"),
+    (r"scripts/shapes_renderer_match\.py", ["--steps", "20"], "end"),
     (r"scripts/shapes_probe\.py", ["--scenes", "30", "--threads", "1"], "end"),
     (r"scripts/compare_baselines\.py", ["--max-batches", "2", "--epochs", "1", "--threads", "1"], "end"),
     # A study trains 4-5 settings x 3 seeds: --dry-run checks its arguments and prints the commands.
