@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from vlfuse import runtime
-from vlfuse.analysis.data import build_datamodule, read_config
-from vlfuse.datamodules import VQADataModule
 from vlfuse.model import VLFuseConfig, VLFuseModel
+
+if TYPE_CHECKING:  # the datamodules import lightning: only the functions that read a config load them
+    from vlfuse.datamodules import VQADataModule
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "easy_vqa.yaml"
@@ -46,6 +47,8 @@ def load_datamodule(config: str | Path, overrides: Sequence[str] = ()) -> VQADat
     Raises:
         SystemExit: the config is missing or its data section is not a datamodule (one line naming ``--config``).
     """
+    from vlfuse.analysis.data import build_datamodule
+
     try:
         return build_datamodule(config, overrides)
     except (FileNotFoundError, ValueError) as err:
@@ -61,6 +64,8 @@ def untrained_model(config: str | Path, datamodule: VQADataModule) -> VLFuseMode
     Raises:
         SystemExit: the config has no ``model.architecture`` (one line naming ``--config``).
     """
+    from vlfuse.analysis.data import read_config
+
     try:
         architecture = VLFuseConfig.from_dict(read_config(config)["model"]["architecture"])
     except (KeyError, TypeError, ValueError) as err:
