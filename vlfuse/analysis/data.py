@@ -51,13 +51,19 @@ def build_datamodule(config: str | Path, overrides: Sequence[str] = ()) -> VQADa
     content = read_config(path)
     if "data" not in content:
         raise ValueError(f"{path} has no data: section (the datamodule of a vlfuse fit config)")
+    return datamodule_from(content["data"], overrides, str(path))
+
+
+def datamodule_from(section: dict, overrides: Sequence[str] = (), where: str = "data") -> VQADataModule:
+    """The datamodule a config's ``data:`` section (``{"class_path": ..., "init_args": {...}}``)
+    describes, with ``--data.*`` overrides; a ``ValueError`` names ``where`` otherwise."""
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(VQADataModule, "data", required=True)
     try:
-        parsed = parser.parse_args([f"--data={json.dumps(content['data'])}", *overrides])
+        parsed = parser.parse_args([f"--data={json.dumps(section)}", *overrides])
     except argparse.ArgumentError as err:
         message = " ".join(str(err).split())  # jsonargparse's message spans many indented lines
-        raise ValueError(f"{path}: the data section does not describe a datamodule: {message}") from err
+        raise ValueError(f"{where}: the data section does not describe a datamodule: {message}") from err
     return parser.instantiate(parsed).data
 
 

@@ -75,6 +75,12 @@ SUBCOMMANDS = {
         "safetensors shards with an index (--out DIR; --dtype float16 halves them), resuming an interrupted run; "
         "vlfuse fit --model.feature_store DIR then reads them instead of running the encoder.",
     ),
+    "convert": Subcommand(
+        "vlfuse.commands.convert",
+        "Write a config's VQA data (--config C, or an imagefolder, --data-dir DATA) as streaming shards with "
+        "litdata.optimize (--out DIR: one item per image, its encoded bytes and its questions, per split, and an "
+        "index), which vlfuse.datamodules.StreamingDataModule trains from, locally or from object storage.",
+    ),
     "card": Subcommand(
         "vlfuse.commands.card",
         "Print a saved model's card (its README.md: architecture, parameters, training data, metrics with the "

@@ -65,17 +65,7 @@ class GroupedVQADataset(Dataset):
         return len(self.records)
 
     def __getitem__(self, i: int) -> dict:
-        record = self.records[i]
-        item = {
-            "image_key": self.image_keys[i],
-            "questions": list(record.questions),
-            "labels": torch.tensor(self._indices(record.answers), dtype=torch.long),
-        }
-        if self.decode_images:
-            item["pixel_values"] = self.pixels(i)
-        if record.human_answers:
-            item["human_labels"] = human_labels([self._indices(h) for h in record.human_answers])
-        return item
+        return grouped_item(self.records[i], self.vocab, self.image_keys[i], self.pixels(i) if self.decode_images else None)
 
     def pixels(self, i: int) -> torch.Tensor:
         """Record ``i``'s image as ``(3, S, S)`` in [0, 1], decoded once while the budget lasts."""
@@ -96,9 +86,6 @@ class GroupedVQADataset(Dataset):
         in parallel every pass instead."""
         return 0 if get_worker_info() is not None else self.keep_decoded_bytes
 
-    def _indices(self, answers: Sequence[str]) -> list[int]:
-        return [self.vocab.index(a) if a in self.vocab else IGNORE_INDEX for a in answers]
-
     @property
     def num_questions(self) -> int:
         return sum(len(r.questions) for r in self.records)
@@ -113,6 +100,23 @@ class GroupedVQADataset(Dataset):
         :class:`~vlfuse.encoders.FeatureCache`, keyed by :func:`image_key`); decode them all
         again as soon as one is not (an image held in memory never is)."""
         self.decode_images = not all(key is not None and key in cached for key in self.image_keys)
+
+
+def grouped_item(record: ImageQuestions, vocab: AnswerVocab, key: str | None, pixels: torch.Tensor | None) -> dict:
+    """One item of :class:`GroupedVQADataset` (and of the streaming shards, :mod:`vlfuse.data.streaming`):
+    ``record``'s questions, their answers' labels in ``vocab`` (:data:`IGNORE_INDEX` outside it), its
+    ``human_labels`` when it has every annotator's answers, the ``image_key`` ``key`` and, unless
+    ``None``, ``pixel_values``."""
+
+    def indices(answers: Sequence[str]) -> list[int]:
+        return [vocab.index(a) if a in vocab else IGNORE_INDEX for a in answers]
+
+    item = {"image_key": key, "questions": list(record.questions), "labels": torch.tensor(indices(record.answers), dtype=torch.long)}
+    if pixels is not None:
+        item["pixel_values"] = pixels
+    if record.human_answers:
+        item["human_labels"] = human_labels([indices(h) for h in record.human_answers])
+    return item
 
 
 def image_key(source: ImageSource) -> str | None:

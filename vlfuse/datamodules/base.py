@@ -139,7 +139,7 @@ class VQADataModule(L.LightningDataModule):
         if self._model_vocab is None:
             return self.vocab
         if split not in self._split_vocabs:
-            answers = [a for r in self.records(split) for a in r.answers]
+            answers = self.split_answers(split)
             vocab = self._model_vocab.extended(answers)
             unknown = vocab.answers[len(self._model_vocab):]
             if unknown:
@@ -150,6 +150,10 @@ class VQADataModule(L.LightningDataModule):
                 )
             self._split_vocabs[split] = vocab
         return self._split_vocabs[split]
+
+    def split_answers(self, split: str) -> list[str]:
+        """Every answer of ``split``, one per question (those of its records)."""
+        return [a for r in self.records(split) for a in r.answers]
 
     @property
     def train_questions(self) -> list[str]:
