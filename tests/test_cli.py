@@ -24,6 +24,7 @@ DATA_NEEDS = {
     "vqa_v2": REPO / "data" / "vqa_v2",
     "imagefolder": REPO / "data" / "imagefolder",  # tests/test_imagefolder.py trains it on a folder it makes
     "base_224": REPO / "data" / "imagefolder",  # tests/test_checkpointing.py trains it on a folder it makes
+    "streaming": REPO / "shards" / "imagefolder",  # tests/test_streaming.py trains it on shards it converts
 }
 
 
@@ -145,7 +146,7 @@ def test_help_lists_every_subcommand_with_its_whole_description():
     words = " ".join(result.stdout.split())  # descriptions are wrapped, not cut
     for name, subcommand in SUBCOMMANDS.items():
         assert f" {name} {' '.join(subcommand.description.split())}" in words
-    assert list(SUBCOMMANDS) == ["fit", "validate", "test", "plot", "predict", "caption", "explain", "analyze", "prune", "export", "cache-features", "card"]
+    assert list(SUBCOMMANDS) == ["fit", "validate", "test", "plot", "predict", "caption", "explain", "analyze", "prune", "export", "cache-features", "convert", "card"]
 
 
 def test_each_subcommand_lives_in_its_own_module_of_vlfuse_commands():
@@ -159,7 +160,8 @@ def test_each_subcommand_lives_in_its_own_module_of_vlfuse_commands():
         "fit": "vlfuse.commands.lightning", "validate": "vlfuse.commands.lightning", "test": "vlfuse.commands.lightning",
         "plot": "vlfuse.commands.plot", "predict": "vlfuse.commands.predict", "caption": "vlfuse.commands.caption",
         "explain": "vlfuse.commands.explain", "analyze": "vlfuse.commands.analyze", "prune": "vlfuse.commands.prune",
-        "export": "vlfuse.commands.export", "cache-features": "vlfuse.commands.cache_features", "card": "vlfuse.commands.card",
+        "export": "vlfuse.commands.export", "cache-features": "vlfuse.commands.cache_features", "convert": "vlfuse.commands.convert",
+        "card": "vlfuse.commands.card",
     }
     for module in set(modules.values()):
         assert callable(importlib.import_module(module).main), module
@@ -170,7 +172,7 @@ def test_misspelled_subcommand_is_one_line_listing_every_subcommand():
     assert result.returncode == 2
     assert result.stderr == (
         "vlfuse: error: unknown subcommand 'analyse' (did you mean 'analyze'?); "
-        "the subcommands are fit, validate, test, plot, predict, caption, explain, analyze, prune, export, cache-features, card (vlfuse --help)\n"
+        "the subcommands are fit, validate, test, plot, predict, caption, explain, analyze, prune, export, cache-features, convert, card (vlfuse --help)\n"
     )
 
 

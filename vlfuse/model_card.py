@@ -221,19 +221,13 @@ def _global_seed() -> int | None:
 
 def describe_data(datamodule: Any, splits: Sequence[str], options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The data of a run for its card: the datamodule's class, ``options`` (its config's ``init_args``),
-    a dataset name, and the images and questions (or captions) of each of ``splits``, which the
-    datamodule has loaded (its :meth:`~vlfuse.datamodules.VQADataModule.records`)."""
+    a dataset name, and the images and questions (or captions) of each of ``splits``, as the datamodule
+    counts them (:meth:`~vlfuse.datamodules.VQADataModule.split_sizes`)."""
     cls = type(datamodule)
     options = dict(options or {})
     named = options.get("dataset")
     name = named if isinstance(named, str) else snake_case(cls.__name__.removesuffix("DataModule"))
-    sizes = {}
-    for split in splits:
-        records = datamodule.records(split)
-        sizes[split] = {"images": len(records)}
-        for items in ("questions", "captions"):
-            if records and hasattr(records[0], items):
-                sizes[split][items] = sum(len(getattr(r, items)) for r in records)
+    sizes = {split: datamodule.split_sizes(split) for split in splits}
     return {"name": name, "source": f"{cls.__module__}.{cls.__qualname__}", "options": options, "splits": sizes}
 
 

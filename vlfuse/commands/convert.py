@@ -77,17 +77,20 @@ def main(argv: Sequence[str]) -> int:
     from vlfuse.datamodules.base import SPLITS
 
     if args.out.exists():
-        raise FileExistsError(f"--out {args.out} exists: give a new folder (vlfuse convert never overwrites one)")
+        raise ValueError(f"--out {args.out} exists: give a new folder (vlfuse convert never overwrites one)")
     data = datamodule(args, overrides)
     if isinstance(data, StreamingDataModule):
         raise ValueError(f"{args.config}: its data is already streaming shards ({data.data_dir})")
     present = [split for split in SPLITS if split == "train" or getattr(data, "has_split", lambda _: True)(split)]
     splits = {split: data.records(split) for split in present}  # every row checked, as vlfuse fit checks them
     source = f"{type(data).__module__}.{type(data).__name__} of {args.config or args.data_dir}"
-    out = write_shards(
-        splits, data.data_vocab.answers, args.out, source=source, chunk_bytes=args.chunk_bytes, workers=args.workers,
-        report=lambda line: print(line, file=sys.stderr),
-    )
+    try:
+        out = write_shards(
+            splits, data.data_vocab.answers, args.out, source=source, chunk_bytes=args.chunk_bytes, workers=args.workers,
+            report=lambda line: print(line, file=sys.stderr),
+        )
+    except FileExistsError as err:  # --out appeared meanwhile
+        raise ValueError(str(err)) from None
     counts = ", ".join(f"{split} {len(records):,} images" for split, records in splits.items())
     print(f"vlfuse: wrote the shards of {counts} to {out}")
     return 0

@@ -325,25 +325,31 @@ def open_split(
     split: str,
     transform: Callable[[Any], Any] | None,
     *,
-    shuffle: bool = False,
     seed: int = 0,
+    limit: int | None = None,
+    size: int | None = None,
     cache_dir: str | None = None,
     storage_options: dict | None = None,
 ) -> litdata.StreamingDataset:
     """``split`` of the shards at ``data_dir`` as a litdata ``StreamingDataset`` reading only
     ``bytes`` and ``str`` fields (:func:`safe_serializers`), each item passed through ``transform``.
 
-    Its distributed share is litdata's: the world size and rank of ``torch.distributed`` when it is
-    initialised (as under a DDP trainer), else ``WORLD_SIZE`` and ``GLOBAL_RANK`` from the environment.
+    It is opened unshuffled; ``StreamingDataLoader(..., shuffle=True)`` shuffles it with ``seed``.
+    ``limit`` keeps the split's first ``limit`` of its ``size`` images (litdata's ``subsample``,
+    taken before any shuffling). Its distributed share is litdata's: the world size and rank of
+    ``torch.distributed`` when it is initialised (as under a DDP trainer), else ``WORLD_SIZE`` and
+    ``GLOBAL_RANK`` from the environment.
     """
     location = _split_location(data_dir, split)
     if not is_remote(data_dir) and not (Path(location) / "index.json").is_file():
         raise FileNotFoundError(f"{location}/index.json not found: the shards of {data_dir} have no {split} split")
+    fraction = 1.0 if limit is None or size is None or limit >= size else (limit + 0.5) / size  # litdata floors
     return litdata.StreamingDataset(
         location,
         cache_dir=None if cache_dir is None else str(Path(cache_dir) / split),
-        shuffle=shuffle,
+        shuffle=False,
         seed=seed,
+        subsample=fraction,
         serializers=safe_serializers(),
         storage_options=storage_options or {},
         transform=transform,

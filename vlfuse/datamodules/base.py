@@ -151,6 +151,15 @@ class VQADataModule(L.LightningDataModule):
             self._split_vocabs[split] = vocab
         return self._split_vocabs[split]
 
+    def split_sizes(self, split: str) -> dict[str, int]:
+        """The images of ``split`` and its questions (or captions), as a model card states them."""
+        records = self.records(split)
+        sizes = {"images": len(records)}
+        for items in ("questions", "captions"):
+            if records and hasattr(records[0], items):
+                sizes[items] = sum(len(getattr(r, items)) for r in records)
+        return sizes
+
     def split_answers(self, split: str) -> list[str]:
         """Every answer of ``split``, one per question (those of its records)."""
         return [a for r in self.records(split) for a in r.answers]

@@ -44,7 +44,7 @@ class StreamingDataModule(VQADataModule):
         cache_dir: for a URL: the local folder litdata downloads chunks into (required there; a local
             folder is read in place).
         storage_options: for a URL: litdata's connection options (credentials, endpoint), passed as given.
-        **kwargs: see :class:`VQADataModule` (``limit_images`` is not supported: limit at conversion).
+        **kwargs: see :class:`VQADataModule` (``limit_images``: each split's first images in the shards).
     """
 
     def __init__(
@@ -55,11 +55,6 @@ class StreamingDataModule(VQADataModule):
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        if self.limit_images is not None:
-            raise ValueError(
-                "data.init_args.limit_images is not supported by StreamingDataModule: convert fewer images "
-                "(vlfuse convert ... --data.init_args.limit_images N)"
-            )
         self.data_dir = str(data_dir)
         self.cache_dir = cache_dir
         self.storage_options = dict(storage_options or {})
@@ -97,6 +92,16 @@ class StreamingDataModule(VQADataModule):
         counts = Counter(self._split_entry(split)["answers"])
         return list(counts.elements())
 
+    def split_sizes(self, split: str) -> dict[str, int]:
+        """The images and questions of ``split`` read (from the index; under ``limit_images``, counted)."""
+        entry = self._split_entry(split)
+        if self._size(split) == entry["images"]:
+            return {"images": entry["images"], "questions": entry["questions"]}
+        stream = self._open(split, decode=False)
+        decoder = _streaming().ShardDecoder(self.data_vocab, 1, "bilinear", self.data_dir)  # reads the questions only
+        questions = sum(len(decoder.record(stream[i])[0].questions) for i in range(self._size(split)))
+        return {"images": self._size(split), "questions": questions}
+
     def _split_entry(self, split: str) -> dict[str, Any]:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
@@ -110,28 +115,34 @@ class StreamingDataModule(VQADataModule):
         where = f"{self.data_dir} ({split})"
         return _streaming().ShardDecoder(self.split_vocab(split), self.image_size, self.interpolation, where)
 
-    def _open(self, split: str, *, shuffle: bool = False, seed: int = 0) -> Any:
-        self._split_entry(split)
+    def _size(self, split: str) -> int:
+        """The images of ``split`` read: all, or the first ``limit_images``."""
+        images = self._split_entry(split)["images"]
+        return images if self.limit_images is None else min(images, self.limit_images)
+
+    def _open(self, split: str, *, seed: int = 0, limit: bool = False, decode: bool = True) -> Any:
+        """``split`` as a litdata dataset: its items decoded and labelled, or (``decode`` false) as stored."""
         return _streaming().open_split(
             self.data_dir,
             split,
-            self._decoder(split),
-            shuffle=shuffle,
+            self._decoder(split) if decode else None,
             seed=seed,
+            limit=self.limit_images if limit else None,
+            size=self._split_entry(split)["images"],
             cache_dir=self.cache_dir,
             storage_options=self.storage_options,
         )
 
     def dataset(self, split: str) -> Dataset:
         """``split`` in order, by index (evaluation): a map-style dataset of its images."""
-        return _streaming().ShardSplit(self._open(split), self._split_entry(split)["images"])
+        return _streaming().ShardSplit(self._open(split), self._size(split))
 
     def train_dataloader(self) -> Any:
         """litdata's ``StreamingDataLoader`` over the shuffled training chunks (this process's share)."""
         import litdata
 
         seed = int(os.environ.get("PL_GLOBAL_SEED", self.seed))  # set by seed_everything
-        stream = self._open("train", shuffle=True, seed=seed)
+        stream = self._open("train", seed=seed, limit=True)
         return litdata.StreamingDataLoader(
-            stream, batch_size=self.batch_size, num_workers=self.num_workers, collate_fn=collate_grouped
+            stream, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, collate_fn=collate_grouped
         )
