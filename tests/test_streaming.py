@@ -6,6 +6,7 @@ test) converted once per module."""
 
 import hashlib
 import json
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from vlfuse.datamodules import ImageFolderDataModule, StreamingDataModule
 
 from conftest import REPO, tiny_cli_args
 from test_data_forms import easy_rows, write_images, write_table
+from test_resume import fit_in_subprocess, last_checkpoint
 
 SPLITS = {"train": range(0, 16), "validation": range(16, 20), "test": range(20, 24)}
 SPLIT_DIRS = {"train": "train", "val": "validation", "test": "test"}
@@ -211,3 +213,26 @@ def test_fit_on_the_shards_then_test_answers_as_from_the_folder(folder, shards, 
         assert main(args) == 0
         lines.append(accuracy_line(capsys.readouterr().out))
     assert lines[0] == lines[1] and "questions" in lines[0]
+
+
+def test_a_fit_killed_mid_epoch_resumes_from_the_loaders_saved_place_to_the_same_weights(shards, tmp_path, one_thread):
+    """As tests/test_resume.py's run killed by SIGKILL, on the shards: 16 images, 4 batches an epoch, 2 epochs."""
+    def fit_args(root: Path, *extra: str) -> list[str]:
+        return ["fit", "--config", str(REPO / "configs" / "streaming_vqa.yaml"), f"--data.init_args.data_dir={shards}",
+                *tiny_cli_args(root, limit_images=16), "--trainer.max_epochs=2", "--trainer.num_sanity_val_steps=0",
+                "--test_after_fit=false", *extra]
+
+    assert main(fit_args(tmp_path / "whole")) == 0
+    killed_args = fit_args(tmp_path / "killed", "--checkpoint.every_n_train_steps=2")
+    killed = fit_in_subprocess(killed_args, signum=signal.SIGKILL, step=7)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    stopped = last_checkpoint(tmp_path / "killed" / "checkpoints")
+    assert (stopped["global_step"], stopped["epoch"]) == (6, 1)  # half-way through the second epoch
+    [state] = stopped["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # litdata's loader state
+    assert (state["current_epoch"], state["num_samples_yielded"]) == (2, 8)
+
+    assert main([*killed_args, "--ckpt_path=last"]) == 0
+    ours, theirs = last_checkpoint(tmp_path / "killed" / "checkpoints"), last_checkpoint(tmp_path / "whole" / "checkpoints")
+    assert ours["global_step"] == theirs["global_step"] == 8
+    for name, weight in theirs["state_dict"].items():
+        assert torch.equal(ours["state_dict"][name], weight), name

@@ -7,6 +7,7 @@ from collections import Counter
 from functools import cached_property
 from typing import Any, Iterable
 
+import torch
 from torch.utils.data import Dataset
 
 from vlfuse.data import AnswerVocab, ImageQuestions, collate_grouped
@@ -143,6 +144,10 @@ class StreamingDataModule(VQADataModule):
 
         seed = int(os.environ.get("PL_GLOBAL_SEED", self.seed))  # set by seed_everything
         stream = self._open("train", seed=seed, limit=True)
+        # A generator of its own: each pass's one draw (the workers' base seed) leaves torch's global
+        # generator, hence dropout, as a resumed run restores it (see vlfuse.data.resumable).
+        generator = torch.Generator().manual_seed(seed)
         return litdata.StreamingDataLoader(
-            stream, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, collate_fn=collate_grouped
+            stream, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, collate_fn=collate_grouped,
+            generator=generator,
         )
