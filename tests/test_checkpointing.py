@@ -21,12 +21,14 @@ from vlfuse.lit import VLFuseLitModule
 from vlfuse.model import VLFuseConfig, VLFuseModel
 
 from conftest import COLOUR_ANSWERS, REPO, logits, make_model, reader_config, tiny_cli_args, tiny_config, toy_batch
+from test_caption_model import CAPTIONS, tiny_caption_model
 from test_lora import LORA, pretrained  # noqa: F401 (a fixture)
 from test_vqa_v2 import vqa_dir  # noqa: F401 (a fixture)
 
 EASY_VQA = REPO / "configs" / "easy_vqa.yaml"
 BASE_224 = REPO / "configs" / "base_224.yaml"
 VQA_V2 = REPO / "configs" / "vqa_v2.yaml"
+SHAPES_CAPTIONS = REPO / "configs" / "shapes_captions.yaml"
 DROPOUT = {"dropout": 0.1, "attn_dropout": 0.1}
 """Fuser dropout; the from-scratch BERT has its own (0.1): the recomputed forward must draw the same masks."""
 
@@ -134,6 +136,36 @@ def test_a_stack_given_the_image_tokens_or_their_keys_and_values_computes_the_sa
     for other in results[1:]:
         for got, expected in zip(other, results[0], strict=True):
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("parts", [["image"], ["decoder"], None], ids=["image", "decoder", "both"])
+def test_a_caption_model_checkpoints_with_the_gradients_of_the_unchecked_run(parts, one_thread):
+    model = tiny_caption_model(dropout=0.1, attn_dropout=0.1)
+    checked = copy.deepcopy(model)
+    assert checked.set_grad_checkpointing(True, parts) == (parts or ["image", "decoder"])
+    pixels, ids = torch.rand(3, 3, 30, 30), model.tokenize(CAPTIONS)
+    results = []
+    for caption_model in (model, checked):
+        caption_model.train()
+        torch.manual_seed(1)
+        loss = caption_model(pixels, ids).logsumexp(-1).mean()
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in caption_model.named_parameters() if p.grad is not None}))
+    (loss, gradients), (checked_loss, checked_gradients) = results
+    torch.testing.assert_close(checked_loss, loss, atol=1e-6, rtol=1e-6)
+    assert checked_gradients.keys() == gradients.keys()
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(checked_gradients[name], gradient, atol=1e-6, rtol=1e-6, msg=name)
+    if parts != ["image"]:  # in training the blocks project their keys/values inside their checkpoints
+        assert isinstance(checked.encode_images(pixels).features[0], ContextTokens)
+
+
+def test_the_caption_config_switch_reaches_the_model(tmp_path):
+    cli = run_lightning(["fit", "--config", str(SHAPES_CAPTIONS), *tiny_cli_args(tmp_path, caption=True),
+                         "--trainer.fast_dev_run=true", "--model.init_args.activation_checkpointing=[decoder]"])
+    model = cli.model.model
+    assert (model.image_encoder.vit.grad_checkpointing, model.decoder.grad_checkpointing) == (False, True)
+    assert cli.model.hparams.activation_checkpointing == ["decoder"]
 
 
 # ------------------------------------------------------------------------------ what is left out or refused

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from vlfuse.captioning.generate import greedy
 from vlfuse.captioning.metrics import CaptionScores, SceneCaptionScores
-from vlfuse.captioning.model import CaptionConfig, CaptionModel
+from vlfuse.captioning.model import CHECKPOINTED_PARTS, CaptionConfig, CaptionModel
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.lit import adamw_warmup_cosine, agree_image_transform
 
@@ -53,6 +53,9 @@ class CaptionLitModule(L.LightningModule):
         label_smoothing: label smoothing of the cross-entropy.
         pretrained: a directory written by :meth:`CaptionModel.save_pretrained`: use that model
             (to test it, or to fine-tune it) instead of building one from ``architecture``.
+        activation_checkpointing: recompute activations in backward instead of keeping them
+            (:meth:`CaptionModel.set_grad_checkpointing`): ``True`` for both parts, or a list among
+            ``image``, ``decoder``. A training setting: a saved model folder does not hold it.
     """
 
     def __init__(
@@ -64,8 +67,14 @@ class CaptionLitModule(L.LightningModule):
         min_lr_ratio: float = 0.01,
         label_smoothing: float = 0.0,
         pretrained: str | None = None,
+        activation_checkpointing: bool | list[str] = False,
     ) -> None:
         super().__init__()
+        if not (isinstance(activation_checkpointing, bool) or set(activation_checkpointing) <= set(CHECKPOINTED_PARTS)):
+            raise ValueError(
+                f"model.activation_checkpointing must be true, false or a list of parts among "
+                f"{list(CHECKPOINTED_PARTS)}, got {activation_checkpointing!r}"
+            )
         self.architecture = copy.deepcopy(caption_model)  # the default instance is shared
         self.save_hyperparameters(ignore=["caption_model"])
         # Plain types only, so that checkpoints load with torch.load(weights_only=True).
@@ -90,6 +99,9 @@ class CaptionLitModule(L.LightningModule):
         agree_image_transform(datamodule, self.architecture.image)
         if self.model is None:
             self.model = CaptionModel.from_config(self.architecture, training_captions(datamodule))
+        parts = self.hparams.activation_checkpointing
+        if parts:
+            self.model.set_grad_checkpointing(True, None if parts is True else parts)
 
     # ------------------------------------------------------------------------------ steps
     def _loss(self, batch: dict) -> torch.Tensor:

@@ -19,6 +19,8 @@ from vlfuse.processor import VLFuseProcessor
 
 FORMAT_VERSION = 1
 MODEL_TYPE = "vlfuse-caption"
+CHECKPOINTED_PARTS = ("image", "decoder")
+"""The parts :meth:`CaptionModel.set_grad_checkpointing` can checkpoint."""
 
 
 @dataclass
@@ -174,6 +176,20 @@ class CaptionModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(MODEL_TYPE
     def num_layers(self) -> int:
         """Decoder blocks, each with one cross-attention layer."""
         return len(self.decoder.blocks)
+
+    def set_grad_checkpointing(self, enable: bool = True, parts: Iterable[str] | None = None) -> list[str]:
+        """Activation checkpointing of ``parts`` (of :data:`CHECKPOINTED_PARTS`: ``"image"``, ``"decoder"``;
+        ``None``: both), as :meth:`VLFuseModel.set_grad_checkpointing <vlfuse.model.VLFuseModel.set_grad_checkpointing>`
+        does: the decoder's blocks in teacher forcing; a frozen image encoder is left out. Returns the parts it set."""
+        names = list(CHECKPOINTED_PARTS if parts is None else [parts] if isinstance(parts, str) else parts)
+        unknown = [name for name in names if name not in CHECKPOINTED_PARTS]
+        if unknown:
+            raise ValueError(f"activation checkpointing: unknown parts {unknown}; the caption model's parts are {list(CHECKPOINTED_PARTS)}")
+        modules = {"image": self.image_encoder, "decoder": self.decoder}
+        chosen = [name for name in CHECKPOINTED_PARTS if name in names and not (enable and name == "image" and self.config.image.freeze)]
+        for name in chosen:
+            modules[name].set_grad_checkpointing(enable)
+        return chosen
 
     # ------------------------------------------------------------------------- save and load
     def _save_pretrained(

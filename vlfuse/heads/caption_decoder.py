@@ -5,12 +5,15 @@ The head of :class:`~vlfuse.captioning.CaptionModel`: it writes words instead of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from vlfuse.layers import FusionBlock, ProjectedContext
+from vlfuse.layers.attention import ContextTokens
 from vlfuse.layers.causal import CausalSelfAttention, KVCache
 
 
@@ -39,14 +42,15 @@ class CaptionBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        kv: ProjectedContext,
+        kv: ProjectedContext | ContextTokens,
         *,
         image_index: torch.Tensor | None = None,
         cache: KVCache | None = None,
         need_weights: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``(B, Lt, dim)`` text tokens that follow those in ``cache``; ``kv`` the image keys/values
-        from ``fusion.cross_attn.project_context``; ``image_index`` ``(B,)`` the image row of each text row.
+        from ``fusion.cross_attn.project_context`` (or the image tokens, projected here); ``image_index``
+        ``(B,)`` the image row of each text row.
         With ``need_weights``, also the cross-attention weights ``(B, H, Lt, Li)``."""
         x = x + self.drop(self.self_attn(self.norm_self(x), cache=cache))
         return self.fusion(x, kv=kv, context_index=image_index, need_weights=need_weights)
@@ -96,6 +100,10 @@ class CaptionDecoder(nn.Module):
         kv_dim: width of the image tokens.
         dropout: dropout on the embeddings and on the residual branches.
         **block_options: further :class:`CaptionBlock` options.
+
+    With :meth:`set_grad_checkpointing`, teacher forcing in training runs each block under a
+    non-reentrant ``torch.utils.checkpoint``, its image keys/values projected inside it (as
+    :class:`~vlfuse.layers.FusionStack` does).
     """
 
     def __init__(
@@ -123,9 +131,23 @@ class CaptionDecoder(nn.Module):
             CaptionBlock(dim, num_heads, kv_dim=kv_dim, dropout=dropout, **block_options) for _ in range(depth)
         )
         self.norm = nn.LayerNorm(dim)
+        self.grad_checkpointing = False
 
-    def project_context(self, image_tokens: torch.Tensor) -> list[ProjectedContext]:
-        """Image tokens ``(Bi, Li, kv_dim)`` -> every block's cross-attention keys/values, computed once."""
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations in backward instead of keeping them (in training, with
+        gradients enabled, without a cache: teacher forcing)."""
+        self.grad_checkpointing = enable
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether the blocks run checkpointed now: switched on, in training, with gradients enabled."""
+        return self.grad_checkpointing and self.training and torch.is_grad_enabled()
+
+    def project_context(self, image_tokens: torch.Tensor) -> list[ProjectedContext | ContextTokens]:
+        """Image tokens ``(Bi, Li, kv_dim)`` -> every block's cross-attention keys/values, computed once;
+        while the blocks run checkpointed, the image tokens for every block to project itself."""
+        if self.checkpointing:
+            return [ContextTokens(image_tokens)] * len(self.blocks)
         return [block.fusion.cross_attn.project_context(image_tokens) for block in self.blocks]
 
     def forward(
@@ -153,11 +175,13 @@ class CaptionDecoder(nn.Module):
         positions = torch.arange(start, end, device=input_ids.device)
         x = self.drop(self.embed(input_ids) + self.positions(positions))  # (B, Lt, dim)
         wanted, attentions = set(weights_from), {}
+        checkpointing = self.checkpointing and cache is None
         for i, (block, kv) in enumerate(zip(self.blocks, kvs, strict=True)):
             layer_cache = None if cache is None else cache[i]
+            run = partial(checkpoint, block, use_reentrant=False) if checkpointing else block
             if i in wanted:
-                x, attentions[i] = block(x, kv, image_index=image_index, cache=layer_cache, need_weights=True)
+                x, attentions[i] = run(x, kv, image_index=image_index, cache=layer_cache, need_weights=True)
             else:
-                x = block(x, kv, image_index=image_index, cache=layer_cache)
+                x = run(x, kv, image_index=image_index, cache=layer_cache)
         logits = F.linear(self.norm(x), self.embed.weight)  # (B, Lt, vocab): the head is the embedding
         return DecoderOutput(logits, attentions)
