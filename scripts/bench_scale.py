@@ -558,6 +558,7 @@ def measure_fusion(settings: Settings, point: Point, tokens_values: Sequence[int
     """The fusion stack alone, forward+backward: the preset's fuser at the point's tokens, the
     cross-attention-only fuser at each of ``tokens_values``; FLOP/s as a share of the product's."""
     preset, device, dtype = PRESETS[settings.preset], settings.torch_device, settings.torch_dtype
+    tokens_values = sorted(set(tokens_values))
     questions = preset.words + 2
     fusers = {"preset": dict(preset.fuser, depth=point.depth), "cross-attention only": dict(preset.fuser, depth=point.depth, self_attention=False)}
     plan = [("preset", point.tokens)] + [("cross-attention only", tokens) for tokens in tokens_values]
@@ -596,8 +597,10 @@ def measure_fusion(settings: Settings, point: Point, tokens_values: Sequence[int
     cross = [("cross-attention only", tokens) for tokens in tokens_values]
     if len(set(tokens_values)) >= 2:
         per_repetition = [fit_exponent(tokens_values, [timings.samples[key][i] for key in cross]) for i in range(settings.repeats)]
-        growth = dict(tokens=list(tokens_values), exponent=fit_exponent(tokens_values, [timings.median(key) for key in cross]),
-                      exponent_median=statistics.median(per_repetition), exponent_worst=max(per_repetition))
+        medians = [timings.median(key) for key in cross]
+        growth = dict(tokens=list(tokens_values), exponent=fit_exponent(tokens_values, medians),
+                      exponent_median=statistics.median(per_repetition), exponent_worst=max(per_repetition),
+                      local=[fit_exponent(tokens_values[i:i + 2], medians[i:i + 2]) for i in range(len(cross) - 1)])
     return rows, growth
 
 
@@ -792,43 +795,47 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def draw(path: Path, points: list[dict], base: Point, sweeps: dict[str, Sequence[int]], fusion: list[dict] | None) -> None:
-    """Log-log panels: step time (top) and bytes kept for backward (bottom) against each swept factor,
-    one line per variant; and the fusion stack's time against image tokens."""
+    """Log-log panels: step time (top row) and bytes kept for backward (bottom row) against each swept
+    factor, one line per variant; and the cross-attention-only fusion stack's time against image tokens."""
+    from matplotlib.ticker import NullLocator
+
     from vlfuse.analysis.figures import new_figure
 
-    swept = [factor for factor, values in sweeps.items() if len(set(values)) >= 2]
+    swept = [factor for factor, values in sweeps.items() if len({row[factor] for row in points if row[factor] in values}) >= 2]
     cross = [row for row in fusion or [] if row["fuser"] == "cross-attention only"]
-    columns = len(swept) + (1 if len(cross) >= 2 else 0)
+    columns, rows = len(swept) + (len(cross) >= 2), 2 if swept else 1
     if columns == 0:
         return
-    figure = new_figure(3.2 * columns, 5.6)
+    figure = new_figure(3.0 * columns + 0.4, 2.8 * rows + 0.5)
+
+    def panel(index: int, xs: Sequence[int], xlabel: str, ylabel: str):
+        ax = figure.add_subplot(rows, columns, index)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7, which="both")
+        return ax
+
     for c, factor in enumerate(swept):
-        top, bottom = figure.add_subplot(2, columns, c + 1), figure.add_subplot(2, columns, columns + c + 1)
+        values = sorted({row[factor] for row in points if row[factor] in sweeps[factor]})
+        top = panel(c + 1, values, factor, "step s")
+        bottom = panel(columns + c + 1, values, factor, "kept for backward MiB")
         for variant in dict.fromkeys(row["variant"] for row in points):
             line = sorted((row[factor], row) for row in points if row["variant"] == variant and row.get("error") is None
                           and all(row[f] == getattr(base, f) for f in FACTORS if f != factor))
-            if len(line) < 2:
-                continue
-            xs = [x for x, _ in line]
-            top.plot(xs, [r["step_s"] for _, r in line], marker="o", label=variant)
-            bottom.plot(xs, [max(r["kept_mib"], 1e-3) for _, r in line], marker="o", label=variant)
-        for ax, label in ((top, "step s"), (bottom, "kept for backward MiB")):
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_xlabel(factor, fontsize=8)
-            ax.set_ylabel(label, fontsize=8)
-            ax.tick_params(labelsize=7)
+            if len(line) >= 2:
+                top.plot([x for x, _ in line], [r["step_s"] for _, r in line], marker="o", label=variant)
+                bottom.plot([x for x, _ in line], [max(r["kept_mib"], 1e-3) for _, r in line], marker="o", label=variant)
         top.legend(fontsize=6)
     if len(cross) >= 2:
-        ax = figure.add_subplot(2, columns, columns)
-        ax.plot([r["tokens"] for r in cross], [r["ms"] / 1e3 for r in cross], marker="o", label="fusion stack alone, cross-attention only")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens", fontsize=8)
-        ax.set_ylabel("fwd+bwd s", fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax = panel(columns, [r["tokens"] for r in cross], "image tokens", "fwd+bwd s")
+        ax.plot([r["tokens"] for r in cross], [r["ms"] / 1e3 for r in cross], marker="o", label="fusion stack alone,\ncross-attention only")
         ax.legend(fontsize=6)
-    figure.suptitle(f"training step against each factor around {asdict(base)}", fontsize=8)
+    around = ", ".join(f"{f} {getattr(base, f)}" for f in FACTORS)
+    figure.suptitle(f"a training step, one factor at a time around {around}", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
@@ -956,8 +963,9 @@ def report(results: dict, settings: Settings, point: Point, args: argparse.Names
                               "matmul_share_worst": "(worst)"}, rows,
                              formats=[None, None, "{:,.1f}", "{:,.1f}", "{:,.1f}", "{:,.1f}", "{:.0%}", "{:.0%}"]) + "\n")
         if growth:
+            steps = ", ".join(f"{a}->{b}: {e:.2f}" for a, b, e in zip(growth["tokens"], growth["tokens"][1:], growth["local"]))
             print(f"cross-attention-only fusion: time ~ tokens^{growth['exponent']:.3f} (fit of the medians); per repetition "
-                  f"median {growth['exponent_median']:.3f}, worst {growth['exponent_worst']:.3f}\n")
+                  f"median {growth['exponent_median']:.3f}, worst {growth['exponent_worst']:.3f}; between neighbours {steps}\n")
         tables["fusion"] = rows
     if "checkpointing" in results:
         rows, summary = results["checkpointing"]
