@@ -122,7 +122,8 @@ def simulated_store(folder: Path, gigabytes: float) -> DiskFeatureStore:
             noise = torch.randn((per_shard, *VIT_B_SHAPE), generator=generator)  # one shard's worth, shifted per shard
             for start in range(len(writer), total, per_shard):
                 rows = min(per_shard, total - start)
-                writer.add_shard([f"image_{i:08d}.jpg" for i in range(start, start + rows)], noise[:rows] + start / total)
+                noise += 1.0  # in place: one shard's worth of memory (and its copy while safetensors writes it)
+                writer.add_shard([f"image_{i:08d}.jpg" for i in range(start, start + rows)], noise[:rows])
                 print(f"  wrote {start + rows:,} of {total:,} images", flush=True)
             del noise
     return DiskFeatureStore(folder)
