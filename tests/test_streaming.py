@@ -6,7 +6,11 @@ test) converted once per module."""
 
 import hashlib
 import json
+import os
+import re
 import signal
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,11 +19,10 @@ import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 
 from vlfuse.cli import main
-from vlfuse.data import GroupedVQADataset
 from vlfuse.data.streaming import INDEX_NAME, ShardDecoder, open_split
 from vlfuse.datamodules import ImageFolderDataModule, StreamingDataModule
 
-from conftest import REPO, tiny_cli_args
+from conftest import REPO, load_script, tiny_cli_args
 from test_data_forms import easy_rows, write_images, write_table
 from test_resume import fit_in_subprocess, last_checkpoint
 
@@ -236,3 +239,46 @@ def test_a_fit_killed_mid_epoch_resumes_from_the_loaders_saved_place_to_the_same
     assert ours["global_step"] == theirs["global_step"] == 8
     for name, weight in theirs["state_dict"].items():
         assert torch.equal(ours["state_dict"][name], weight), name
+
+
+# ------------------------------------------------------------------------------------------ the stress test
+def stress_with_shards(tmp_path, capsys, rows: int, images: int) -> str:
+    load_script("stress_imagefolder").main(["--data", str(tmp_path / "data"), "--rows", str(rows), "--images", str(images), "--shards"])
+    out = capsys.readouterr().out
+    assert re.search(rf"^epoch: {images:,} images in [\d.]+ s", out, re.MULTILINE), out
+    assert re.search(r"^convert: [\d.]+ s \(imports included\); peak memory \d+ MB", out, re.MULTILINE), out
+    assert re.search(rf"^shards epoch: {images:,} images in [\d.]+ s \(\d+ images/s, [\d.]+x the folder's\)", out, re.MULTILINE), out
+    assert "same items as the folder's epoch: yes" in out
+    assert sorted(p.name for p in (tmp_path / "data_shards").iterdir()) == ["train", INDEX_NAME]
+    return out
+
+
+@pytest.mark.slow
+def test_the_stress_script_reads_an_epoch_from_shards_beside_the_folder(tmp_path, capsys):
+    stress_with_shards(tmp_path, capsys, 40, 8)
+
+
+@pytest.mark.slow
+def test_two_hundred_thousand_rows_over_twenty_thousand_images_from_shards(tmp_path, capsys):
+    stress_with_shards(tmp_path, capsys, 200_000, 20_000)
+
+
+@pytest.mark.slow
+def test_a_two_process_ddp_fit_on_the_shards_tests_once_as_one_process_does(shards, tmp_path, capsys):
+    """Two CPU processes (gloo): litdata shares the training split by the trainer's ranks, the test split
+    is scored once, and the printed accuracy is that of one process testing the saved model."""
+    config = str(REPO / "configs" / "streaming_vqa.yaml")
+    tiny = tiny_cli_args(tmp_path / "run", limit_images=16)
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    command = [sys.executable, "-m", "vlfuse.cli", "fit", "--config", config, f"--data.init_args.data_dir={shards}",
+               *tiny, *ddp, "--trainer.max_epochs=1", "--trainer.num_sanity_val_steps=0"]
+    result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
+    assert "Traceback" not in result.stderr
+    two_processes = accuracy_line(result.stdout)
+    args = ["test", "--config", config, f"--data.init_args.data_dir={shards}", f"--model.pretrained={tmp_path / 'run' / 'model'}",
+            *tiny_cli_args(tmp_path / "one")]
+    assert main(args) == 0
+    assert accuracy_line(capsys.readouterr().out) == two_processes

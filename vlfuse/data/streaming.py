@@ -35,17 +35,15 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import litdata
-import numpy as np
 import torch
 from litdata.streaming.downloader import get_downloader
 from litdata.streaming.serializers import _SERIALIZERS, Serializer
-from PIL import Image
 from torch.utils.data import Dataset
 
 from vlfuse.data.answers import AnswerVocab
 from vlfuse.data.dataset import grouped_item, image_key
 from vlfuse.data.records import ImageQuestions
-from vlfuse.data.transforms import check_interpolation, decode_image, open_image, preprocess_image
+from vlfuse.data.transforms import check_interpolation, decode_image, load_image, open_image, preprocess_image
 
 INDEX_NAME = "vlfuse_shards.json"
 """The file beside the split folders: vocabulary, training questions, counts."""
@@ -60,15 +58,14 @@ REMOTE_PREFIXES = ("s3://", "gs://", "azure://", "r2://", "hf://", "local:")
 
 # ------------------------------------------------------------------------------------------ writing
 def shard_item(record: ImageQuestions) -> dict[str, Any]:
-    """``record`` as one item: its image file's bytes as stored (an image held in memory as PNG,
-    lossless), its name and key, and its questions and answers as JSON."""
+    """``record`` as one item: its image file's bytes as stored (an image held in memory: its RGB
+    pixels as PNG, lossless), its name and key, and its questions and answers as JSON."""
     source = record.image
     if isinstance(source, (str, Path)):
         data, name = Path(source).read_bytes(), Path(source).name
     else:
-        image = source if isinstance(source, Image.Image) else Image.fromarray(np.asarray(source))
         buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
+        load_image(source).save(buffer, format="PNG")  # the RGB image the folder's dataset would read
         data, name = buffer.getvalue(), record.image_id or "an image in memory"
     meta = {
         "name": record.image_id or name,
