@@ -168,6 +168,26 @@ def test_the_caption_config_switch_reaches_the_model(tmp_path):
     assert cli.model.hparams.activation_checkpointing == ["decoder"]
 
 
+def test_a_compiled_stack_checkpoints_on_the_padded_layout(one_thread):
+    """Under torch.compile the blocks run on the padded layout, each row its image's tokens copied
+    (``ContextTokens.rows``); the checkpoints compile (aot_eager: no C++ build) and the gradients
+    are the eager unchecked run's within float rounding (the layouts sum in different orders)."""
+    torch.manual_seed(0)
+    stack = FusionStack(2, 32, 16)
+    text, image = torch.randn(3, 5, 32), torch.randn(2, 7, 32, requires_grad=True)
+    text_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    results = []
+    for run in (stack, torch.compile(stack, backend="aot_eager")):
+        stack.set_grad_checkpointing(run is not stack)
+        stack.zero_grad()
+        image.grad = None
+        out, _ = run(text, context=image, text_mask=text_mask, image_index=torch.tensor([0, 1, 1]))
+        out.sum().backward()
+        results.append([out, image.grad, *(p.grad for p in stack.parameters())])
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------ what is left out or refused
 def test_frozen_encoders_are_left_out_even_when_named():
     config = tiny_config()
