@@ -106,7 +106,10 @@ def released_captions(data_dir: str | Path | None, split: str) -> ReleasedCaptio
         split: ``train.tiny``, ``train.small`` or ``val`` (the test split is refused).
     """
     data = load_released_split(find_shapes_dir(data_dir), split)
-    first_rows = list({image.tobytes(): row for row, image in reversed(list(enumerate(data.images)))}.values())[::-1]
+    first_row: dict[bytes, int] = {}
+    for row, image in enumerate(data.images):
+        first_row.setdefault(image.tobytes(), row)
+    first_rows = list(first_row.values())
     readings = read_scenes(data.images[first_rows])
     records = [
         ImageCaptions(data.images[row], [describe(reading.scene)], image_id=f"shapes/{split}/{row}", scene=reading.scene)
