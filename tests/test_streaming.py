@@ -197,7 +197,8 @@ FIT_STEPS = ["--trainer.max_epochs=1", "--trainer.num_sanity_val_steps=0", "--te
 
 
 def accuracy_line(out: str) -> str:
-    lines = [line for line in out.splitlines() if line.startswith("vlfuse: test accuracy")]
+    """The one ``vlfuse: test accuracy A (N questions)`` that ``out`` prints (without what follows it)."""
+    lines = re.findall(r"^vlfuse: test accuracy \d\.\d{4} \(\d+ questions\)", out, re.MULTILINE)
     assert len(lines) == 1, out
     return lines[0]
 
@@ -277,6 +278,8 @@ def test_a_two_process_ddp_fit_on_the_shards_tests_once_as_one_process_does(shar
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in result.stderr
     assert "Traceback" not in result.stderr
+    # each process trained on its half: 8 of the 16 images, 2 batches of 4, where one process takes 4
+    assert last_checkpoint(tmp_path / "run" / "checkpoints")["global_step"] == 2
     two_processes = accuracy_line(result.stdout)
     args = ["test", "--config", config, f"--data.init_args.data_dir={shards}", f"--model.pretrained={tmp_path / 'run' / 'model'}",
             *tiny_cli_args(tmp_path / "one")]
