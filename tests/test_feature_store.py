@@ -53,6 +53,8 @@ def test_shards_round_trip_bit_for_bit_and_float16_to_its_precision(tmp_path):
     assert index["keys"]["img5"] == [2, 1] and index["shards"][3]["rows"] == 1
     assert index["shards"][0]["sha256"] == feature_store.file_sha256(tmp_path / "f32" / "shard-00000.safetensors")
     store.verify()
+    store.close()
+    assert torch.equal(store.get(["img1"]), features[[1]])  # closed files open again when read
 
 
 def test_a_store_of_another_encoder_dtype_or_a_foreign_folder_is_never_overwritten(tmp_path):
