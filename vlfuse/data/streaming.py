@@ -331,7 +331,8 @@ def open_split(
     """``split`` of the shards at ``data_dir`` as a litdata ``StreamingDataset`` reading only
     ``bytes`` and ``str`` fields (:func:`safe_serializers`), each item passed through ``transform``.
 
-    It is opened unshuffled; ``StreamingDataLoader(..., shuffle=True)`` shuffles it with ``seed``.
+    It is opened unshuffled; ``StreamingDataLoader(..., shuffle=True)`` shuffles it with ``seed``:
+    the order of the chunks, and a whole permutation of each chunk's items.
     ``limit`` keeps the split's first ``limit`` of its ``size`` images (litdata's ``subsample``,
     taken before any shuffling). Its distributed share is litdata's: the world size and rank of
     ``torch.distributed`` when it is initialised (as under a DDP trainer), else ``WORLD_SIZE`` and
@@ -347,6 +348,7 @@ def open_split(
         shuffle=False,
         seed=seed,
         subsample=fraction,
+        item_shuffle_window="full",  # shuffled, a chunk's items in any order (litdata's default: within blocks of 256)
         serializers=safe_serializers(),
         storage_options=storage_options or {},
         transform=transform,
