@@ -659,8 +659,9 @@ def measure_checkpointing(settings: Settings, point: Point) -> tuple[list[dict],
                          time_ratio=statistics.median(ratios) if variant == "checkpointed" else 1.0,
                          time_ratio_worst=max(ratios) if variant == "checkpointed" else 1.0))
     summary = dict(kept_ratio=kept["plain"] / kept["checkpointed"], time_ratio=rows[1]["time_ratio"],
+                   paired_seconds=list(zip(seconds["plain"], seconds["checkpointed"])),
                    time_ratio_worst=rows[1]["time_ratio_worst"], max_grad_difference=max(differences),
-                   float32=dtype == torch.float32, repetitions=settings.repeats)
+                   float32=dtype == torch.float32, pairs=len(differences))
     return rows, summary
 
 
@@ -977,7 +978,9 @@ def report(results: dict, settings: Settings, point: Point, args: argparse.Names
                               "time_ratio_worst": "(worst)"}, rows,
                              formats=[None, "{:,.0f}", "{:,.0f}", "{:,.0f}", "{:,.0f}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}"]))
         print(f"\nkept for backward: plain / checkpointed = {summary['kept_ratio']:.2f}x; gradients: max |difference| "
-              f"{summary['max_grad_difference']:.3g} over {summary['repetitions']} repetition(s) and the warm-up\n")
+              f"{summary['max_grad_difference']:.3g} over {summary['pairs']} pair(s) of steps, warm-up included")
+        pairs = "; ".join(f"{p:.2f} s, {c:.2f} s: {c / p:.2f}x" for p, c in summary["paired_seconds"])
+        print(f"each repetition (plain, checkpointed: ratio): {pairs}\n")
         tables["checkpointing"] = rows
     found = targets(results, settings, point)
     if found:
