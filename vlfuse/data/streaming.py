@@ -348,7 +348,11 @@ def open_split(
         shuffle=False,
         seed=seed,
         subsample=fraction,
-        item_shuffle_window="full",  # shuffled, a chunk's items in any order (litdata's default: within blocks of 256)
+        # Shuffled, a chunk's items in any order (litdata's default: within blocks of 256 items), each
+        # item deserialised alone: with windows of items decoded together, a whole permutation reads
+        # a window per item (an epoch of 20,000 small items took 25-35 s instead of 0.5 s).
+        item_shuffle_window="full",
+        batch_decode=0,
         serializers=safe_serializers(),
         storage_options=storage_options or {},
         transform=transform,
