@@ -193,6 +193,15 @@ def test_convert_refuses_an_existing_folder_and_leaves_no_staging_behind(folder,
     assert sorted(p.name for p in shards.iterdir()) == ["test", "train", "val", INDEX_NAME]
 
 
+def test_convert_of_a_config_takes_its_data_overrides(folder, tmp_path):
+    out = tmp_path / "two"
+    config = str(REPO / "configs" / "imagefolder_vqa.yaml")
+    assert main(["convert", "--config", config, f"--data.init_args.data_dir={folder}", "--data.init_args.limit_images=2", "--out", str(out)]) == 0
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert {split: entry["images"] for split, entry in index["splits"].items()} == {"train": 2, "val": 2, "test": 2}
+    assert index["answers"] == ImageFolderDataModule(data_dir=str(folder)).answers  # the vocabulary of all the data
+
+
 FIT_STEPS = ["--trainer.max_epochs=1", "--trainer.num_sanity_val_steps=0", "--test_after_fit=false"]
 
 
