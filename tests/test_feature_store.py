@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from vlfuse.cli import main
 from vlfuse.commands.lightning import run_lightning
-from vlfuse.encoders import feature_store
 from vlfuse.encoders.feature_store import DiskFeatureStore, FeatureStoreWriter, StoreError, encoder_identity
+from vlfuse import model_io
 from vlfuse.model import VLFuseModel
 
 from conftest import REPO, tiny_cli_args, tiny_config
@@ -51,7 +51,7 @@ def test_shards_round_trip_bit_for_bit_and_float16_to_its_precision(tmp_path):
         assert torch.allclose(read.float(), features, rtol=torch.finfo(dtype).eps, atol=0)
     index = json.loads((tmp_path / "f32" / "index.json").read_text())
     assert index["keys"]["img5"] == [2, 1] and index["shards"][3]["rows"] == 1
-    assert index["shards"][0]["sha256"] == feature_store.file_sha256(tmp_path / "f32" / "shard-00000.safetensors")
+    assert index["shards"][0]["sha256"] == model_io.sha256(tmp_path / "f32" / "shard-00000.safetensors")
     store.verify()
     store.close()
     assert torch.equal(store.get(["img1"]), features[[1]])  # closed files open again when read

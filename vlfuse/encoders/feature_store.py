@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from vlfuse import atomic
+from vlfuse.model_io import sha256
 from vlfuse.errors import first_line
 
 INDEX_FILE = "index.json"
@@ -88,15 +89,6 @@ def encoder_identity(name: str, vit: torch.nn.Module, preprocessing: Mapping[str
     identity = {"name": name, "weights_sha256": weights_digest(vit)}
     identity.update({key: preprocessing[key] for key in ("image_size", "mean", "std", "interpolation")})
     return identity
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while block := file.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class StoreError(ValueError):
@@ -322,7 +314,7 @@ class DiskFeatureStore:
     def verify(self) -> None:
         """Check every shard's SHA-256 against the index (reads the whole store); a :class:`StoreError` names the first that differs."""
         for shard, listed in zip(self.shards, self._index["shards"]):
-            if file_sha256(shard.path) != listed["sha256"]:
+            if sha256(shard.path) != listed["sha256"]:
                 raise StoreError(f"{shard.path}: its SHA-256 differs from the index's: the shard is damaged")
 
     def close(self) -> None:
@@ -406,7 +398,7 @@ class FeatureStoreWriter:
             temp.unlink(missing_ok=True)
             raise
         atomic.fsync(self.directory)
-        self.index["shards"].append({"file": target.name, "rows": len(keys), "size": target.stat().st_size, "sha256": file_sha256(target)})
+        self.index["shards"].append({"file": target.name, "rows": len(keys), "size": target.stat().st_size, "sha256": sha256(target)})
         self.index["keys"].update({key: [number, row] for row, key in enumerate(keys)})
         self._write_index()
 
