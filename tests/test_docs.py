@@ -75,6 +75,8 @@ SHRINK = [
     (r"scripts/bench_predict\.py", ["--images", "2", "--questions-per-image", "2", "--repeats", "1",
                                     "--warmup", "0"], "end"),
     (r"scripts/bench_(local_)?attention\.py", ["--quick"], "end"),
+    (r"scripts/bench_scale\.py", ["--preset", "tiny", "--sweep", "tokens", "--variants", "plain", "--repeats", "1",
+                                  "--warmup", "0"], "end"),
     (r"scripts/bench_generate\.py", ["--images", "2", "--length", "4", "--repeats", "1", "--warmup", "0"], "end"),
     (r"vlfuse caption\b", ["--max-length", "4"], "end"),
     (r"scripts/caption_errors\.py", ["--scenes", "4", "--examples", "1"], "end"),
