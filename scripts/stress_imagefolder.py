@@ -56,16 +56,11 @@ result = {"import_s": checked - start, "check_s": time.perf_counter() - checked,
           "rows": sum(len(r.questions) for r in records), "imported_mb": imported_mb,
           "checked_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 if sys.argv[4] == "epoch":
-    loader = data.train_dataloader()
-    started = time.perf_counter()
-    rows = epoch(loader)
-    result["epoch_s"] = time.perf_counter() - started
-    result["epoch_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result["epoch_images"], result["epoch_digest"] = digest(rows)
+    timed_epoch(data.train_dataloader(), result)
 print(json.dumps(result))
 """
 EPOCH = """
-import hashlib
+import hashlib, resource, time
 def epoch(loader):  # one pass over loader: per image, its key, pixel sum, questions and labels (no pixels kept)
     rows = []
     for batch in loader:
@@ -78,6 +73,12 @@ def epoch(loader):  # one pass over loader: per image, its key, pixel sum, quest
     return rows
 def digest(rows):  # the images read and a digest of what they hold, in any order
     return len(rows), hashlib.sha256(repr(sorted(rows)).encode()).hexdigest()
+def timed_epoch(loader, result):  # one epoch's seconds, peak memory after it, images and digest, into result
+    started = time.perf_counter()
+    rows = epoch(loader)
+    result["epoch_s"] = time.perf_counter() - started
+    result["epoch_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["epoch_images"], result["epoch_digest"] = digest(rows)
 """
 SHARDS = """
 import json, resource, sys, time
@@ -87,11 +88,7 @@ imported_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 data = StreamingDataModule(data_dir=sys.argv[1], image_size=int(sys.argv[2]), batch_size=int(sys.argv[3]))
 loader = data.train_dataloader()
 result = {"import_s": time.perf_counter() - start, "imported_mb": imported_mb}
-started = time.perf_counter()
-rows = epoch(loader)
-result["epoch_s"] = time.perf_counter() - started
-result["epoch_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-result["epoch_images"], result["epoch_digest"] = digest(rows)
+timed_epoch(loader, result)
 print(json.dumps(result))
 """
 CONVERT = """
