@@ -195,6 +195,18 @@ def test_fit_help_describes_fit_in_our_words(capsys):
     assert "--threads" in out
 
 
+def test_fit_help_gives_one_usage_line_and_one_line_per_trainer_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("usage: ") and lines[1] == ""  # not a usage block listing every option again
+    trainer = [i for i, line in enumerate(lines) if line.startswith("  --trainer.")]
+    assert len(trainer) > 30 and "--trainer.max_epochs MAX_EPOCHS" in "\n".join(lines)
+    assert not any(lines[i + 1].startswith("   ") for i in trainer)  # no paragraph under a trainer option
+    lr = next(i for i, line in enumerate(lines) if line.startswith("  --model.lr "))
+    assert "peak learning rate" in " ".join(lines[lr: lr + 2])  # vlfuse's own options keep their descriptions
+
+
 def test_fit_threads_sets_torchs_thread_count(tmp_path):
     before = torch.get_num_threads()
     try:

@@ -28,6 +28,7 @@ from vlfuse.callbacks import EpochSummary
 from vlfuse.captioning.lit import CaptionLitModule
 from vlfuse.checkpoint_io import AtomicCheckpointIO
 from vlfuse.commands import LIGHTNING, SUBCOMMANDS
+from vlfuse.commands.help_format import USAGE, ShortTrainerHelpFormatter
 from vlfuse.datamodules import VQADataModule
 from vlfuse.lit import ExportBestModel, VLFuseLitModule
 from vlfuse.resume import SIGTERM_EXIT_CODE, BestAndLastCheckpoint, ResumeTraining, best_checkpoint, default_checkpoint_dir
@@ -274,7 +275,10 @@ def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
     Raises:
         argparse.ArgumentError: a mistake in the arguments or the config (the usage is not printed).
     """
-    own = {name: {"exit_on_error": False, "description": SUBCOMMANDS[name].description} for name in LIGHTNING}
+    own = {
+        name: {"exit_on_error": False, "description": SUBCOMMANDS[name].description, "usage": USAGE}
+        for name in LIGHTNING
+    }
     caption = names_caption_model(sys.argv[1:] if args is None else args)
     try:
         return VLFuseCLI(
@@ -284,7 +288,7 @@ def run_lightning(args: list[str] | None = None) -> VLFuseCLI:
             subclass_mode_data=True,
             args=args,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": "vlfuse", "exit_on_error": False, **own},
+            parser_kwargs={"prog": "vlfuse", "exit_on_error": False, "formatter_class": ShortTrainerHelpFormatter, **own},
         )
     finally:
         runs.forget_shared()  # the other ranks have started (and inherited them)
