@@ -3,17 +3,20 @@
     .venv/bin/python scripts/compare_baselines.py --out runs/compare_baselines
     .venv/bin/python scripts/compare_baselines.py --models film --split val --epochs 3 --set film.lr=1e-3
 
-Models (``--models``, default all three, trained one after the other on the same cores):
+Models (``--models``, default all five, trained one after the other on the same cores):
 ``bow_cnn``, the dataset author's CNN + bag-of-words model (:class:`vlfuse.baselines.BowCNN`);
-``film``, FiLM (:class:`vlfuse.baselines.FiLMNet`); ``vlfuse``, the model of ``--config`` built and
-trained as ``vlfuse fit`` builds it (:class:`vlfuse.lit.VLFuseLitModule`, its optimiser and schedule).
-All three get the config's datamodule, so the same training images in the same order and the same
-evaluation split; the peers tokenise words with a vocabulary made from the training questions only.
+``film``, FiLM (:class:`vlfuse.baselines.FiLMNet`); ``blip_vqa`` and ``vilt``, transformers'
+``BlipForQuestionAnswering`` and ``ViltForQuestionAnswering`` from scratch at the vlfuse model's size
+(:mod:`vlfuse.baselines.hf_vqa`; trained with vlfuse's AdamW and warm-up + cosine schedule; BLIP scored
+by greedy generation); ``vlfuse``, the model of ``--config`` built and trained as ``vlfuse fit`` builds
+it (:class:`vlfuse.lit.VLFuseLitModule`, its optimiser and schedule). All get the config's datamodule,
+so the same training images in the same order and the same evaluation split; the peers tokenise words
+with a vocabulary made from the training questions only (BLIP's adds the answers' words).
 
 After each training epoch the model is scored on ``--split`` (``test`` by default; tune on ``val``);
 the clock counts training only (data loading included), not the scoring. Each model's settings
 (``--set MODEL.KEY=VALUE``; KEY one of lr, epochs, batch_size, width, weight_decay, schedule, image_size,
-the last four for the peers only) start from the published ones (see ``PEER_DEFAULTS``) and the
+the last three for the peers only) start from the published ones (see ``PEER_DEFAULTS``) and the
 config's. ``OUT/peers.md`` holds the table, ``OUT/peers.csv`` every point, ``OUT/peers.png`` the curves.
 """
 
@@ -42,14 +45,21 @@ from vlfuse.analysis.figures import new_figure
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.baselines import BowCNN, FiLMNet
 from vlfuse.baselines.bow_cnn import mean_pixel
+from vlfuse.baselines.hf_vqa import BlipVQA, ViltVQA, blip_vqa_config, vilt_config
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.datamodules import VQADataModule
 from vlfuse.encoders.tokenizer import build_word_tokenizer
-from vlfuse.lit import VLFuseLitModule, warmup_cosine
+from vlfuse.lit import VLFuseLitModule, adamw_warmup_cosine, warmup_cosine
 from vlfuse.model import VLFuseConfig
 from vlfuse.processor import VLFuseProcessor
 
-MODELS = ("bow_cnn", "film", "vlfuse")
+MODELS = ("bow_cnn", "film", "blip_vqa", "vilt", "vlfuse")
+HF_PEERS = ("blip_vqa", "vilt")
+"""The transformers models, trained by :class:`HFPeerLitModule`."""
+HF_PATCH = 4
+"""The transformers peers' patch side: 8x8 patches from 32x32 images, the grid of vlfuse's stem."""
+HEADS = 16
+"""The transformers peers' attention heads, as vlfuse's fusion blocks."""
 MEAN_PIXEL_IMAGES = 256
 """How many training images (the first, in order) give BowCNN's ``pixel_mean``."""
 PEER_ONLY = ("width", "schedule", "image_size")
@@ -79,6 +89,10 @@ PEER_DEFAULTS = {
     # The paper's optimiser (Adam 3e-4, weight decay 1e-5, 64 questions, about 7 images, per batch),
     # the best of the sweep; 10 epochs (the paper stops early on CLEVR), a little less time than vlfuse's 14.
     "film": Settings(lr=3e-4, epochs=10, batch_size=7, image_size=32, width=64, weight_decay=1e-5),
+    # transformers' VQA models at the vlfuse default's size, batch, weight decay, schedule and epochs;
+    # 16 heads of 8 dimensions; the learning rates are the sweep's picks (docs/results.md#peers-side-by-side).
+    "blip_vqa": Settings(lr=1e-3, epochs=10, batch_size=32, image_size=32, width=128, weight_decay=0.05, schedule="cosine"),
+    "vilt": Settings(lr=1e-3, epochs=10, batch_size=32, image_size=32, width=128, weight_decay=0.05, schedule="cosine"),
 }
 
 
@@ -146,12 +160,65 @@ class PeerLitModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class HFPeerLitModule(L.LightningModule):
+    """Trains a transformers peer (:mod:`vlfuse.baselines.hf_vqa`) on its own loss with vlfuse's optimiser:
+    AdamW, no decay on biases and norms, warm-up + cosine (or a constant rate)."""
+
+    def __init__(self, model: BlipVQA | ViltVQA, processor: VLFuseProcessor, settings: Settings, config: dict) -> None:
+        super().__init__()
+        self.model, self.processor = model, processor
+        cosine = settings.schedule == "cosine"
+        defaults = {name: signature_default(VLFuseLitModule, name) for name in ("warmup_ratio", "min_lr_ratio")}
+        options = {**defaults, **{k: v for k, v in config["model"].items() if k in defaults}}
+        self.save_hyperparameters(
+            dict(lr=settings.lr, weight_decay=settings.weight_decay, warmup_ratio=options["warmup_ratio"] if cosine else 0.0,
+                 min_lr_ratio=options["min_lr_ratio"] if cosine else 1.0)
+        )
+
+    def inputs(self, batch: dict) -> tuple[torch.Tensor, ...]:
+        inputs = self.processor.batch(batch, self.device, cache=self.training)
+        return inputs.pixel_values, inputs.input_ids, inputs.attention_mask, inputs.image_index
+
+    def answer(self, batch: dict) -> torch.Tensor:
+        """(Bq,) each question's answer index (-1: none of the answers)."""
+        return self.model.answer(*self.inputs(batch))
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model.loss(*self.inputs(batch), batch["labels"].to(self.device))
+
+    def configure_optimizers(self):
+        return adamw_warmup_cosine(self, self.model)
+
+
+def build_hf_peer(name: str, settings: Settings, datamodule: VQADataModule, config: dict) -> HFPeerLitModule:
+    """BLIP-VQA (3 layers: ViT, question encoder, answer decoder) or ViLT (3 layers), each 128 wide with
+    16 heads, at about the vlfuse default's 675k parameters."""
+    if settings.image_size % HF_PATCH:
+        raise SystemExit(f"error: --set {name}.image_size={settings.image_size}: must be a multiple of {HF_PATCH}")
+    if settings.width % HEADS:
+        raise SystemExit(f"error: --set {name}.width={settings.width}: must be a multiple of the {HEADS} heads")
+    shape = dict(image_size=settings.image_size, patch_size=HF_PATCH, width=settings.width, heads=HEADS, max_length=32)
+    if name == "vilt":
+        tokenizer = build_word_tokenizer(datamodule.train_questions, max_length=32)
+        model = ViltVQA(vilt_config(len(tokenizer), len(datamodule.answers), **shape, layers=3, pad_id=tokenizer.pad_token_id))
+    else:
+        tokenizer = build_word_tokenizer([*datamodule.train_questions, *datamodule.answers], max_length=32)
+        answers = tokenizer(list(datamodule.answers), padding=True, return_tensors="pt")
+        blip = blip_vqa_config(len(tokenizer), **shape, mlp_ratio=3, pad_id=tokenizer.pad_token_id,
+                               bos_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id)
+        model = BlipVQA(blip, answers["input_ids"], answers["attention_mask"])
+    processor = VLFuseProcessor(tokenizer, image_size=settings.image_size, max_length=32)
+    return HFPeerLitModule(model, processor, settings, config)
+
+
 def build_module(name: str, settings: Settings, datamodule: VQADataModule, config: dict) -> L.LightningModule:
     """The Lightning module that trains model ``name``, built with the current torch seed."""
     if name == "vlfuse":
         options = {k: v for k, v in config["model"].items() if k != "architecture"}
         options.update(lr=settings.lr, weight_decay=settings.weight_decay)
         return VLFuseLitModule(VLFuseConfig.from_dict(config["model"]["architecture"]), **options)
+    if name in HF_PEERS:
+        return build_hf_peer(name, settings, datamodule, config)
     tokenizer = build_word_tokenizer(datamodule.train_questions, max_length=32)
     processor = VLFuseProcessor(tokenizer, image_size=settings.image_size, max_length=32)
     size = dict(vocab_size=len(tokenizer), num_answers=len(datamodule.answers))
@@ -168,12 +235,14 @@ def build_module(name: str, settings: Settings, datamodule: VQADataModule, confi
 
 @torch.no_grad()
 def accuracy(module: L.LightningModule, batches) -> float:
-    """Share of the questions of ``batches`` whose top answer is the labelled one (unlabelled ones left out)."""
+    """Share of the questions of ``batches`` whose answer is the labelled one (unlabelled ones left out):
+    the module's ``answer`` where it has one (a generated answer), else its top logit."""
     correct = total = 0
     for batch in batches:
         labels = batch["labels"]
         known = labels != IGNORE_INDEX
-        correct += int((module(batch).argmax(dim=-1) == labels)[known].sum())
+        answers = module.answer(batch) if isinstance(module, HFPeerLitModule) else module(batch).argmax(dim=-1)
+        correct += int((answers.cpu() == labels)[known].sum())
         total += int(known.sum())
     return correct / max(total, 1)
 

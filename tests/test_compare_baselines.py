@@ -111,16 +111,51 @@ def tiny_config(tmp_path):
 def test_a_short_run_writes_the_table_the_points_and_the_plot(tiny_config, tmp_path, one_thread, capsys):
     out = tmp_path / "out"
     argv = ["--config", str(tiny_config), "--max-batches", "2", "--epochs", "1", "--threads", "1", "--out", str(out),
-            "--set", "bow_cnn.batch_size=4", "film.batch_size=4", "vlfuse.batch_size=4"]
+            "--set", *(f"{name}.batch_size=4" for name in compare.MODELS), "blip_vqa.width=32", "vilt.width=32"]
     assert compare.main(argv) == 0
     with (out / "peers.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert [r["model"] for r in rows] == ["bow_cnn", "film", "vlfuse"]
+    assert [r["model"] for r in rows] == list(compare.MODELS)
     assert all(0.0 <= float(r["test_acc"]) <= 1.0 and float(r["train_seconds"]) > 0 for r in rows)
     table = (out / "peers.md").read_text()
     assert all(f"| {name} |" in table for name in compare.MODELS) and "Best peer:" in table
     assert (out / "peers.png").read_bytes().startswith(b"\x89PNG")
     assert "test acc (last)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", compare.HF_PEERS)
+def test_a_transformers_peer_trains_on_its_loss_and_is_scored_on_its_answers(name, tiny_config, one_thread):
+    config = yaml.safe_load(tiny_config.read_text())
+    settings = dataclasses.replace(compare.PEER_DEFAULTS[name], batch_size=4, width=32)
+    datamodule = compare.load_datamodule(tiny_config, ["--data.init_args.batch_size=4"])
+    datamodule.image_size = settings.image_size
+    datamodule.setup("fit")
+    torch.manual_seed(0)
+    module = compare.build_module(name, settings, datamodule, config)
+    batch = next(iter(datamodule.train_dataloader()))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(3):  # two steps, then the loss after them
+        loss = module.training_step(batch, 0)
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[2] < losses[0], losses
+    module.eval()
+    assert 0.0 <= compare.accuracy(module, [batch]) <= 1.0
+    answers = module.answer(batch)
+    assert answers.shape == batch["labels"].shape and (answers < len(datamodule.answers)).all()
+
+
+def test_the_transformers_peers_are_the_vlfuse_defaults_size():
+    config = yaml.safe_load((REPO / "configs" / "easy_vqa.yaml").read_text())
+    datamodule = compare.load_datamodule(REPO / "configs" / "easy_vqa.yaml")
+    datamodule.image_size = 32
+    datamodule.setup("fit")
+    sizes = {name: sum(p.numel() for p in compare.build_module(name, compare.PEER_DEFAULTS[name], datamodule, config).parameters())
+             for name in compare.HF_PEERS}
+    assert all(abs(size - 674_650) <= 0.15 * 674_650 for size in sizes.values()), sizes
 
 
 def test_settings_start_from_the_published_ones_and_change_by_model():
