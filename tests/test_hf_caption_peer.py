@@ -1,0 +1,113 @@
+"""The transformers caption peer (vlfuse.baselines.hf_caption) and the scripts that set it beside vlfuse's."""
+
+import csv
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlfuse.analysis.data import read_config
+from vlfuse.baselines.hf_caption import HFCaptionPeer
+from vlfuse.captioning import CaptionConfig, CaptionModel, SceneCaptionScores, describe
+from vlfuse.data import IGNORE_INDEX
+from vlfuse.data.shapes import render_scenes, sample_scenes
+from vlfuse.encoders import ImageEncoderConfig
+
+from conftest import REPO, load_script
+
+compare = load_script("compare_caption_peers")
+bench = load_script("bench_peers_speed")
+
+TINY = CaptionConfig(
+    image=ImageEncoderConfig(image_size=30, patch_size=10, width=16, depth=1, num_heads=2),
+    dim=32, depth=1, heads=4, mlp_ratio=2.0, dropout=0.0, max_length=96,
+)
+
+
+def scenes_and_pixels(count: int):
+    """``count`` SHAPES scenes, their grammar captions and their images (count, 3, 30, 30) in [0, 1]."""
+    rng = np.random.default_rng(0)
+    scenes = sample_scenes(count, rng)
+    images = render_scenes(scenes, rng)  # (N, 30, 30, 3) uint8
+    return scenes, [describe(s) for s in scenes], torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
+
+
+def teacher_forced_loss(model: HFCaptionPeer, pixels: torch.Tensor, captions: list[str]) -> torch.Tensor:
+    """CaptionLitModule's loss: the cross-entropy of every next token, padding ignored."""
+    ids = model.tokenize(captions)  # (B, L)
+    logits = model(pixels, ids[:, :-1])  # (B, L - 1, vocab)
+    targets = ids[:, 1:].masked_fill(ids[:, 1:] == model.pad_id, IGNORE_INDEX)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def test_the_peer_trains_two_steps_and_its_loss_falls(one_thread):
+    scenes, captions, pixels = scenes_and_pixels(4)
+    torch.manual_seed(0)
+    model = HFCaptionPeer.from_caption_config(TINY, captions).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    before = teacher_forced_loss(model, pixels, captions)
+    for _ in range(2):
+        optimizer.zero_grad()
+        teacher_forced_loss(model, pixels, captions).backward()
+        optimizer.step()
+    assert teacher_forced_loss(model, pixels, captions) < before
+
+
+def test_greedy_generate_writes_the_forced_length_and_vlfuses_scorer_reads_it(one_thread):
+    scenes, captions, pixels = scenes_and_pixels(3)
+    torch.manual_seed(0)
+    model = HFCaptionPeer.from_caption_config(TINY, captions).eval()
+    ids = model.generate_ids(pixels, max_new_tokens=5, min_new_tokens=5)
+    assert ids.shape == (3, 6) and (ids[:, 0] == model.bos_id).all()
+    written = model.caption(pixels, max_new_tokens=5, min_new_tokens=5)
+    assert written == [model.detokenize(row[1:]) for row in ids.tolist()]
+    scorer = SceneCaptionScores()
+    scorer.update(written, scenes)
+    untrained = scorer.compute()
+    scorer.reset()
+    scorer.update(captions, scenes)  # the grammar's own captions are all true and complete
+    exact = scorer.compute()
+    assert 0.0 <= float(untrained["fact_precision"]) <= 1.0
+    assert float(exact["fact_precision"]) == 1.0 and float(exact["object_recall"]) == 1.0
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate_ids(pixels, max_new_tokens=TINY.max_length)
+
+
+def test_the_peer_is_the_size_of_the_shapes_caption_model():
+    config = CaptionConfig.from_dict(read_config(REPO / "configs" / "shapes_captions.yaml")["model"]["init_args"]["caption_model"])
+    words = [bench.GRAMMAR_WORDS]
+    ours = sum(p.numel() for p in CaptionModel.from_config(config, words).parameters())
+    peer = HFCaptionPeer.from_caption_config(config, words)
+    theirs = sum(p.numel() for p in peer.parameters())
+    assert abs(theirs / ours - 1) < 0.05
+    decoder = peer.model.decoder.config
+    assert decoder.is_decoder and decoder.add_cross_attention and decoder.num_attention_heads == config.heads
+
+
+def test_compare_caption_peers_quick_trains_and_scores_both(tmp_path, one_thread):
+    assert compare.main(["--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "caption_peers.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["model"] for r in rows] == ["vlfuse", "hf"]
+    for row in rows:
+        assert float(row["train_s"]) > 0 and int(row["parameters"]) > 0
+        assert all(0.0 <= float(row[f"test_{s}"]) <= 1.0 for s in ("fact_precision", "object_recall"))
+    assert "| vlfuse |" in (tmp_path / "caption_peers.md").read_text()
+
+
+def test_bench_peers_speed_quick_times_every_case_against_vlfuse(tmp_path, capsys):
+    assert bench.main(["--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "peers_speed.csv") as f:
+        rows = list(csv.DictReader(f))
+    cases = [(r["what"], r["case"]) for r in rows]
+    assert cases[:2] == [("generation", "vlfuse greedy"), ("generation", "transformers generate")]
+    for step in ("forward", "forward + backward"):
+        assert [c for w, c in cases if w == step] == list(bench.layer_modules(8, 2))
+    assert all(float(r["ratio_to_vlfuse_median"]) > 0 for r in rows)
+    assert all(float(r["ratio_to_vlfuse_median"]) == 1.0 for r in rows if r["case"] in ("vlfuse greedy", "vlfuse CrossAttention"))
+
+
+def test_bench_peers_speed_refuses_a_bad_layer_size():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--layer-size", "2", "4", "9", "30", "4"])
