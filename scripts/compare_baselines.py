@@ -321,6 +321,27 @@ def comparison(results: list[Result]) -> str:
     return f"Best peer: {best.name}, {target:.2%} at epoch {epoch} ({seconds:.0f} s). vlfuse reaches it: {where}."
 
 
+def at_time(result: Result, seconds: float) -> float | None:
+    """The accuracy of ``result``'s last epoch done within ``seconds`` of training (``None``: no epoch was)."""
+    done = [a for _, s, a in result.points if s <= seconds]
+    return done[-1] if done else None
+
+
+def equal_time(results: list[Result]) -> str:
+    """Each peer against vlfuse at the same training time: when the sooner of the two ends, the other's
+    accuracy after its last epoch done by then."""
+    ours = next((r for r in results if r.name == "vlfuse"), None)
+    if ours is None:
+        return ""
+    lines = []
+    for peer in (r for r in results if r.name != "vlfuse"):
+        seconds = min(ours.points[-1][1], peer.points[-1][1])
+        mine, theirs = at_time(ours, seconds), at_time(peer, seconds)
+        show = (lambda a: "no epoch done" if a is None else f"{a:.2%}")
+        lines.append(f"At {seconds:.0f} s: vlfuse {show(mine)}, {peer.name} {show(theirs)}.")
+    return " ".join(lines)
+
+
 def write_outputs(results: list[Result], args: argparse.Namespace, command: str) -> str:
     """Write ``peers.md``, ``peers.csv`` and ``peers.png`` in ``args.out``; return the markdown."""
     args.out.mkdir(parents=True, exist_ok=True)
@@ -338,6 +359,8 @@ def write_outputs(results: list[Result], args: argparse.Namespace, command: str)
     text = (f"`{command}`\n\ntorch {torch.__version__}, {torch.get_num_threads()} threads, seed {args.seed}, "
             f"{args.split} split{f', {args.max_batches} batches' if args.max_batches else ''}\n\n{table}\n")
     if note := comparison(results):
+        text += f"\n{note}\n"
+    if note := equal_time(results):
         text += f"\n{note}\n"
     (args.out / "peers.md").write_text(text)
     figure = new_figure(6.0, 4.0)

@@ -158,6 +158,17 @@ def test_the_transformers_peers_are_the_vlfuse_defaults_size():
     assert all(abs(size - 674_650) <= 0.15 * 674_650 for size in sizes.values()), sizes
 
 
+def test_equal_time_scores_each_model_after_its_last_epoch_done_by_the_sooner_end():
+    settings = compare.Settings(lr=1e-3, epochs=3, batch_size=1, image_size=32)
+    ours = compare.Result("vlfuse", settings, 1, [(1, 10.0, 0.5), (2, 20.0, 0.8), (3, 30.0, 0.9)])
+    slow = compare.Result("vilt", settings, 1, [(1, 25.0, 0.6), (2, 50.0, 0.7)])
+    fast = compare.Result("film", settings, 1, [(1, 15.0, 0.4)])
+    late = compare.Result("blip_vqa", settings, 1, [(1, 40.0, 0.95)])
+    assert compare.equal_time([ours, slow, fast, late]) == (
+        "At 30 s: vlfuse 90.00%, vilt 60.00%. At 15 s: vlfuse 50.00%, film 40.00%. At 30 s: vlfuse 90.00%, blip_vqa no epoch done."
+    )
+
+
 def test_settings_start_from_the_published_ones_and_change_by_model():
     settings = {"film": dataclasses.replace(compare.PEER_DEFAULTS["film"])}
     compare.apply_settings(settings, ["film.lr=1e-3", "film.width=32", "film.schedule=cosine"])
