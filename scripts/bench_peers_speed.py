@@ -10,7 +10,8 @@ Generation: the caption model of configs/shapes_captions.yaml, greedy with vlfus
 (:class:`vlfuse.baselines.hf_caption.HFCaptionPeer`); both untrained (seed 0; speed does not depend on
 the weights), the same ``--images`` SHAPES scenes, both writing ``--length`` tokens per caption
 (``generate`` with ``min_new_tokens = max_new_tokens``; vlfuse's untrained model writes no end
-token: the script stops if a caption is shorter), the image encoder included in both.
+token: the script stops if a caption is shorter), from pixels to caption texts (the image encoder and
+the detokenizing included) in both.
 
 Fusion layer (float32, ``--layer-size`` B Lq Lk D H, default 32 32 197 768 16), forward under
 ``inference_mode`` and forward + backward (gradients of the weights and of both inputs):
@@ -112,6 +113,7 @@ def generation_cases(args: argparse.Namespace) -> tuple[dict, dict]:
 
     def run_peer():
         ids = peer.generate_ids(pixels, max_new_tokens=args.length, min_new_tokens=args.length)  # (B, 1 + T)
+        [peer.detokenize(row[1:]) for row in ids.tolist()]  # texts, as greedy's Captions hold
         written["transformers generate"] = torch.full((len(ids),), ids.shape[1] - 1)
 
     return {"vlfuse greedy": run_vlfuse, "transformers generate": run_peer}, written
