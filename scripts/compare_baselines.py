@@ -161,7 +161,7 @@ class PeerLitModule(L.LightningModule):
 
 
 class HFPeerLitModule(L.LightningModule):
-    """Trains a transformers peer (:mod:`vlfuse.baselines.hf_vqa`) on its own loss with vlfuse's optimiser:
+    """Trains a transformers peer (:mod:`vlfuse.baselines.hf_vqa`) on its ``loss`` with vlfuse's optimiser:
     AdamW, no decay on biases and norms, warm-up + cosine (or a constant rate)."""
 
     def __init__(self, model: BlipVQA | ViltVQA, processor: VLFuseProcessor, settings: Settings, config: dict) -> None:

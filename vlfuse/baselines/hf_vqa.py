@@ -4,7 +4,7 @@
   cross-attend to the patches; a BERT answer decoder that cross-attends to the question), trained on
   the tokenised answer and scored by greedy ``generate``.
 - :class:`ViltVQA`: ``ViltForQuestionAnswering`` (one transformer over the question's tokens and the
-  image's patches together, a classifier over the answers), trained with its own loss.
+  image's patches together, a classifier over the answers), trained on the cross-entropy.
 
 Both take vlfuse's batches: :func:`vlfuse.data.collate_grouped` images (Bi, 3, S, S) in [0, 1],
 each once, ``image_index`` (Bq,) the image of each question, and word ids from
@@ -153,7 +153,6 @@ class ViltVQA(nn.Module):
     """``ViltForQuestionAnswering`` on vlfuse's batches: a classifier over the answer list.
 
     ViLT reads text and patches in one sequence, so each question gets its own copy of its image.
-    The loss is the class's (binary cross-entropy against the answers' scores, here one-hot).
     """
 
     def __init__(self, config: ViltConfig) -> None:
@@ -167,13 +166,14 @@ class ViltVQA(nn.Module):
         return self.hf(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixels).logits
 
     def loss(self, pixel_values, input_ids, attention_mask, image_index, labels) -> torch.Tensor:
-        """The class's loss with one-hot answer scores; questions labelled ``IGNORE_INDEX`` are left out."""
-        known = labels != IGNORE_INDEX
-        scores = nn.functional.one_hot(labels[known], self.hf.config.num_labels).float()  # (Bq, A)
-        pixels = self.normalize(pixel_values)[image_index[known]]  # (Bq, 3, S, S)
-        return self.hf(
-            input_ids=input_ids[known], attention_mask=attention_mask[known], pixel_values=pixels, labels=scores
-        ).loss
+        """The cross-entropy over the answers, as vlfuse's; questions labelled ``IGNORE_INDEX`` are left out.
+
+        Not the class's own loss (binary cross-entropy per answer, made for VQA's soft scores over
+        thousands of answers): on easy-VQA's one answer in 13 it spent its first steps pushing every
+        logit down and answered one answer to every question after 60 batches (docs/results.md#peers-side-by-side).
+        """
+        return nn.functional.cross_entropy(self(pixel_values, input_ids, attention_mask, image_index), labels,
+                                           ignore_index=IGNORE_INDEX)
 
     @torch.no_grad()
     def answer(self, pixel_values, input_ids, attention_mask, image_index) -> torch.Tensor:
