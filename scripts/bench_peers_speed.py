@@ -13,6 +13,10 @@ the weights), the same ``--images`` SHAPES scenes, both writing ``--length`` tok
 token: the script stops if a caption is shorter), from pixels to caption texts (the image encoder and
 the detokenizing included) in both.
 
+Training step: one AdamW step of each caption model (copies in training mode) on the same
+``--train-batch`` grammar captions of those scenes, with the loss of
+:class:`~vlfuse.captioning.lit.CaptionLitModule` (what one batch of ``compare_caption_peers.py`` costs).
+
 Fusion layer (float32, ``--layer-size`` B Lq Lk D H, default 32 32 197 768 16), forward under
 ``inference_mode`` and forward + backward (gradients of the weights and of both inputs):
 
@@ -36,14 +40,16 @@ reported as the median and the worst (lowest) over repetitions. ``--out`` also w
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import statistics
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import timm.layers
 import torch
+import torch.nn.functional as F
 from _common import REPO, add_threads_argument, add_timing_arguments, set_threads
 from bench_generate import GRAMMAR_WORDS
 from transformers import BertConfig
@@ -53,13 +59,14 @@ from vlfuse.analysis.data import read_config
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.analysis.timing import Timings, time_interleaved
 from vlfuse.baselines.hf_caption import HFCaptionPeer
-from vlfuse.captioning import CaptionConfig, CaptionModel, greedy
+from vlfuse.captioning import CaptionConfig, CaptionModel, describe, greedy
+from vlfuse.data import IGNORE_INDEX
 from vlfuse.data.shapes import render_scenes, sample_scenes
 from vlfuse.layers import CrossAttention
 
 DEFAULT_CONFIG = REPO / "configs" / "shapes_captions.yaml"
 LAYER_SIZE = (32, 32, 197, 768, 16)
-QUICK = {"images": 4, "length": 4, "layer_size": [2, 4, 9, 32, 4], "repeats": 2, "warmup": 1}
+QUICK = {"images": 4, "length": 4, "train_batch": 4, "layer_size": [2, 4, 9, 32, 4], "repeats": 2, "warmup": 1}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,6 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="config whose model.init_args.caption_model to build")
     parser.add_argument("--images", type=int, default=64, help="SHAPES scenes captioned in one batch (default 64)")
     parser.add_argument("--length", type=int, default=30, help="tokens generated per caption (default 30)")
+    parser.add_argument("--train-batch", type=int, default=64, help="captions of the timed training step (default 64, the config's batch)")
     parser.add_argument("--layer-size", type=int, nargs=5, default=list(LAYER_SIZE), metavar=("B", "LQ", "LK", "D", "H"),
                         help="fusion-layer batch, query and key lengths, width, heads (default 32 32 197 768 16)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke test")
@@ -77,9 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
-    for name in ("images", "length", "repeats"):
+    for name in ("images", "length", "train_batch", "repeats"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     b, lq, lk, d, h = args.layer_size
     if min(args.layer_size) < 1 or d % h:
         parser.error(f"--layer-size: all sizes must be positive and D divisible by H, got {args.layer_size}")
@@ -89,8 +97,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------- generation
 
 
-def generation_cases(args: argparse.Namespace) -> tuple[dict, dict]:
-    """``{name: call}`` of both generators on the same images, and ``{name: generated ids (B, T)}`` after a call."""
+class CaptionPair(NamedTuple):
+    """Both caption models (untrained, seed 0), SHAPES scenes' grammar captions and their images."""
+
+    vlfuse: CaptionModel
+    peer: HFCaptionPeer
+    captions: list[str]
+    pixels: torch.Tensor  # (N, 3, S, S) in [0, 1]
+
+
+def caption_pair(args: argparse.Namespace) -> CaptionPair:
+    """The config's caption model and its transformers peer, with ``max(--images, --train-batch)`` scenes."""
     try:
         architecture = CaptionConfig.from_dict(read_config(args.config)["model"]["init_args"]["caption_model"])
     except (FileNotFoundError, KeyError, TypeError, ValueError) as err:
@@ -98,13 +115,21 @@ def generation_cases(args: argparse.Namespace) -> tuple[dict, dict]:
     if not 1 <= args.length <= architecture.max_length - 1:
         raise SystemExit(f"error: --length must be in [1, {architecture.max_length - 1}] (the decoder's positions), got {args.length}")
     torch.manual_seed(0)
-    vlfuse = CaptionModel.from_config(architecture, [GRAMMAR_WORDS]).eval()
+    vlfuse = CaptionModel.from_config(architecture, [GRAMMAR_WORDS])
     torch.manual_seed(0)
-    peer = HFCaptionPeer.from_caption_config(architecture, [GRAMMAR_WORDS]).eval()
+    peer = HFCaptionPeer.from_caption_config(architecture, [GRAMMAR_WORDS])
     rng = np.random.default_rng(0)
-    images = render_scenes(sample_scenes(args.images, rng), rng)  # (N, 30, 30, 3) uint8
+    scenes = sample_scenes(max(args.images, args.train_batch), rng)
+    images = render_scenes(scenes, rng)  # (N, 30, 30, 3) uint8
     size = architecture.image.image_size
     pixels = torch.nn.functional.interpolate(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255, size=(size, size))
+    return CaptionPair(vlfuse, peer, [describe(scene) for scene in scenes], pixels)
+
+
+def generation_cases(pair: CaptionPair, args: argparse.Namespace) -> tuple[dict, dict]:
+    """``{name: call}`` of both generators on the same images, and ``{name: tokens written per caption (B,)}`` after a call."""
+    vlfuse, peer = pair.vlfuse.eval(), pair.peer.eval()
+    pixels = pair.pixels[: args.images]
     written: dict[str, torch.Tensor] = {}
 
     def run_vlfuse():
@@ -117,6 +142,27 @@ def generation_cases(args: argparse.Namespace) -> tuple[dict, dict]:
         written["transformers generate"] = torch.full((len(ids),), ids.shape[1] - 1)
 
     return {"vlfuse greedy": run_vlfuse, "transformers generate": run_peer}, written
+
+
+def training_cases(pair: CaptionPair, args: argparse.Namespace) -> dict:
+    """``{name: call}``: one AdamW step of each model (copies, in training mode) on the same ``--train-batch``
+    captions, with :class:`~vlfuse.captioning.lit.CaptionLitModule`'s loss."""
+    cases = {}
+    for name, model in (("vlfuse train step", pair.vlfuse), ("transformers train step", pair.peer)):
+        model = copy.deepcopy(model).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        pixels, captions = pair.pixels[: args.train_batch], pair.captions[: args.train_batch]
+
+        def step(model=model, optimizer=optimizer):
+            ids = model.tokenize(captions)  # (B, L): BOS words EOS pad...
+            logits = model(pixels, ids[:, :-1])  # (B, L - 1, vocab)
+            targets = ids[:, 1:].masked_fill(ids[:, 1:] == model.pad_id, IGNORE_INDEX)
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX).backward()
+            optimizer.step()
+
+        cases[name] = step
+    return cases
 
 
 # ------------------------------------------------------------------------------------- the layer
@@ -208,19 +254,24 @@ def against(timings: Timings, case, reference) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
-    generate, written = generation_cases(args)
+    pair = caption_pair(args)
+    generate, written = generation_cases(pair, args)
+    train = training_cases(pair, args)
     layers = layer_cases(args)
-    timings = time_interleaved({**generate, **layers}, args.repeats, args.warmup)
+    timings = time_interleaved({**generate, **train, **layers}, args.repeats, args.warmup)
     lengths = {name: set(ids.tolist()) for name, ids in written.items()}
     if any(found != {args.length} for found in lengths.values()):
         raise SystemExit(f"error: the captions' lengths differ from --length {args.length}: {lengths}")
     rows = [["generation", name, timings.median(name) * 1e3, args.images / timings.median(name), *against(timings, name, "vlfuse greedy")]
             for name in generate]
+    rows += [["training step", name, timings.median(name) * 1e3, args.train_batch / timings.median(name),
+              *against(timings, name, "vlfuse train step")] for name in train]
     rows += [[step, name, timings.median((step, name)) * 1e3, None, *against(timings, (step, name), (step, "vlfuse CrossAttention"))]
              for step in ("forward", "forward + backward") for s, name in layers if s == step]
     b, lq, lk, d, h = args.layer_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repetitions side by side "
           f"({args.warmup} untimed first); generation: {args.images} captions of {args.length} tokens; "
+          f"training step: {args.train_batch} captions; "
           f"layer: B={b} Lq={lq} Lk={lk} D={d} H={h}, float32")
     print(markdown_table(["what", "case", "ms (median)", "captions/s", "time / vlfuse's (median)", "worst"], rows,
                          formats=[None, None, "{:.2f}", "{:.1f}", "{:.2f}", "{:.2f}"]))

@@ -101,11 +101,12 @@ def test_bench_peers_speed_quick_times_every_case_against_vlfuse(tmp_path, capsy
     with open(tmp_path / "peers_speed.csv") as f:
         rows = list(csv.DictReader(f))
     cases = [(r["what"], r["case"]) for r in rows]
-    assert cases[:2] == [("generation", "vlfuse greedy"), ("generation", "transformers generate")]
+    assert cases[:4] == [("generation", "vlfuse greedy"), ("generation", "transformers generate"),
+                         ("training step", "vlfuse train step"), ("training step", "transformers train step")]
     for step in ("forward", "forward + backward"):
         assert [c for w, c in cases if w == step] == list(bench.layer_modules(8, 2))
     assert all(float(r["ratio_to_vlfuse_median"]) > 0 for r in rows)
-    assert all(float(r["ratio_to_vlfuse_median"]) == 1.0 for r in rows if r["case"] in ("vlfuse greedy", "vlfuse CrossAttention"))
+    assert all(float(r["ratio_to_vlfuse_median"]) == 1.0 for r in rows if r["case"] in ("vlfuse greedy", "vlfuse train step", "vlfuse CrossAttention"))
 
 
 def test_bench_peers_speed_refuses_a_bad_layer_size():
