@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out / "peers_speed.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["what", "case", "ms_median", "captions_per_s", "ratio_to_vlfuse_median", "ratio_to_vlfuse_worst"])
-            writer.writerows(rows)
+            writer.writerows([[what, case, round(ms, 3), None if per_s is None else round(per_s, 1), round(median, 4), round(worst, 4)]
+                              for what, case, ms, per_s, median, worst in rows])
     return 0
 
 
