@@ -92,7 +92,7 @@ PEER_DEFAULTS = {
     # transformers' VQA models at the vlfuse default's size, batch, weight decay, schedule and epochs;
     # 16 heads of 8 dimensions; the learning rates are the sweep's picks (docs/results.md#peers-side-by-side).
     "blip_vqa": Settings(lr=1e-3, epochs=10, batch_size=32, image_size=32, width=128, weight_decay=0.05, schedule="cosine"),
-    "vilt": Settings(lr=1e-3, epochs=10, batch_size=32, image_size=32, width=128, weight_decay=0.05, schedule="cosine"),
+    "vilt": Settings(lr=2e-3, epochs=10, batch_size=32, image_size=32, width=128, weight_decay=0.05, schedule="cosine"),
 }
 
 
