@@ -63,7 +63,8 @@ class HFCaptionLitModule(CaptionLitModule):
         self.log(f"{stage}/loss", self._loss(batch), batch_size=size, on_epoch=True)
         generated = self.model.caption(batch["pixel_values"])
         self.caption_scores[stage].update(generated, batch["references"])
-        self.scene_scores[stage].update(generated, batch["scenes"])
+        if batch.get("scenes") is not None:
+            self.scene_scores[stage].update(generated, batch["scenes"])
 
 
 class Clock(Callback):
