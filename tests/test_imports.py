@@ -18,7 +18,7 @@ LAYERS = [
     ("vlfuse.encoders", "vlfuse.datamodules", "vlfuse.baselines", "vlfuse.captioning.grammar", "vlfuse.captioning.metrics"),
     ("vlfuse.fusers", "vlfuse.heads", "vlfuse.processor"),
     ("vlfuse.model",),
-    ("vlfuse.captioning",),
+    ("vlfuse.captioning", "vlfuse.baselines.hf_caption"),  # the caption peer is built from a caption config
     ("vlfuse.lit", "vlfuse.inference", "vlfuse.analysis", "vlfuse.callbacks", "vlfuse.resume", "vlfuse.captioning.lit"),
     ("vlfuse.commands.",),  # the subcommands' modules (``vlfuse.commands`` itself only names them)
     ("vlfuse.cli",),
