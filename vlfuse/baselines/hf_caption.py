@@ -16,14 +16,15 @@ come from transformers' ``generate`` (greedy, its key/value cache on).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 from torch import nn
 from transformers import BertConfig, BertLMHeadModel, ViTConfig, ViTModel, VisionEncoderDecoderModel
 from transformers.utils.constants import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD
 
-from vlfuse.captioning.model import CaptionConfig, caption_processor
+from vlfuse.baselines.hf_vqa import PixelNormalizer
+from vlfuse.captioning.model import CaptionConfig, CaptionTokens, caption_processor
 from vlfuse.encoders import build_word_tokenizer
 from vlfuse.processor import VLFuseProcessor
 
@@ -67,7 +68,7 @@ def bert_decoder_config(config: CaptionConfig, vocab_size: int, special: dict[st
     )
 
 
-class HFCaptionPeer(nn.Module):
+class HFCaptionPeer(CaptionTokens, nn.Module):
     """``VisionEncoderDecoderModel`` (ViT + ``BertLMHeadModel`` with cross-attention) with vlfuse's tokenizer.
 
     Pixels in [0, 1] are normalised as ``ViTImageProcessor`` does (mean and std 0.5). A caption is
@@ -83,8 +84,7 @@ class HFCaptionPeer(nn.Module):
     def __init__(self, model: VisionEncoderDecoderModel, processor: VLFuseProcessor, max_length: int) -> None:
         super().__init__()
         self.model, self.processor, self.max_length = model, processor, max_length
-        self.register_buffer("mean", torch.tensor(IMAGENET_STANDARD_MEAN).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(IMAGENET_STANDARD_STD).view(1, 3, 1, 1), persistent=False)
+        self.normalize = PixelNormalizer(IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD)  # images (B, 3, S, S) in [0, 1] -> the ViT's input
 
     @classmethod
     def from_caption_config(cls, config: CaptionConfig, captions: Iterable[str]) -> "HFCaptionPeer":
@@ -104,39 +104,6 @@ class HFCaptionPeer(nn.Module):
             eos_token_id=tokenizer.sep_token_id, bos_token_id=tokenizer.cls_token_id,
         )
         return cls(model, processor, config.max_length)
-
-    @property
-    def tokenizer(self):
-        """The processor's tokenizer."""
-        return self.processor.tokenizer
-
-    @property
-    def bos_id(self) -> int:
-        return self.tokenizer.cls_token_id
-
-    @property
-    def eos_id(self) -> int:
-        return self.tokenizer.sep_token_id
-
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id
-
-    def tokenize(self, captions: Iterable[str]) -> torch.Tensor:
-        """Captions -> ``(B, L)`` ids ``BOS words EOS``, right-padded, at most ``max_length`` tokens."""
-        return self.processor.tokenize(captions)["input_ids"]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Token ids -> the caption: the words up to the first end token, joined by spaces."""
-        ids = list(ids)
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
-        special = {self.bos_id, self.pad_id}
-        return " ".join(self.tokenizer.convert_ids_to_tokens([i for i in ids if i not in special]))
-
-    def normalize(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Images ``(B, 3, S, S)`` in [0, 1] -> the ViT's input."""
-        return (pixel_values - self.mean) / self.std
 
     def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Teacher forcing: ``(B, L, vocab)`` scores of each next token of ``input_ids`` ``(B, L)``."""

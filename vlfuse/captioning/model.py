@@ -69,7 +69,43 @@ class CaptionConfig:
         return cls(image=ImageEncoderConfig(**data.pop("image", {})), **data)
 
 
-class CaptionModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(MODEL_TYPE)):
+class CaptionTokens:
+    """A caption model's text side, from its ``processor`` (a :class:`~vlfuse.processor.VLFuseProcessor`
+    whose tokenizer has pad, cls = begin and sep = end tokens): a caption is ``BOS words EOS``."""
+
+    processor: VLFuseProcessor
+
+    @property
+    def tokenizer(self):
+        """The processor's tokenizer."""
+        return self.processor.tokenizer
+
+    @property
+    def bos_id(self) -> int:
+        return self.tokenizer.cls_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.sep_token_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    def tokenize(self, captions: Iterable[str]) -> torch.Tensor:
+        """Captions -> ``(B, L)`` ids ``BOS words EOS``, right-padded, at most ``max_length`` tokens."""
+        return self.processor.tokenize(captions)["input_ids"]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids -> the caption: the words up to the first end token, joined by spaces."""
+        ids = list(ids)
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        special = {self.bos_id, self.pad_id}
+        return " ".join(self.tokenizer.convert_ids_to_tokens([i for i in ids if i not in special]))
+
+
+class CaptionModel(CaptionTokens, nn.Module, hub.HubMixin, **model_card.hub_metadata(MODEL_TYPE)):
     """Writes a caption for an image: a timm ViT encodes the image, a causal decoder of fusion
     blocks (:class:`~vlfuse.heads.caption_decoder.CaptionDecoder`) writes the words, each of them
     attending to the image patches with 16-head cross-attention.
@@ -116,36 +152,7 @@ class CaptionModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(MODEL_TYPE
         """A new model whose word-level tokenizer knows every word of ``captions``."""
         return cls(config, caption_processor(config, build_word_tokenizer(captions, config.max_length)))
 
-    @property
-    def tokenizer(self):
-        """The processor's tokenizer."""
-        return self.processor.tokenizer
-
-    @property
-    def bos_id(self) -> int:
-        return self.tokenizer.cls_token_id
-
-    @property
-    def eos_id(self) -> int:
-        return self.tokenizer.sep_token_id
-
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_token_id
-
     # ----------------------------------------------------------------------------- the stages
-    def tokenize(self, captions: Iterable[str]) -> torch.Tensor:
-        """Captions -> ``(B, L)`` ids ``BOS words EOS``, right-padded, at most ``max_length`` tokens."""
-        return self.processor.tokenize(captions)["input_ids"]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Token ids -> the caption: the words up to the first end token, joined by spaces."""
-        ids = list(ids)
-        if self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
-        special = {self.bos_id, self.pad_id}
-        return " ".join(self.tokenizer.convert_ids_to_tokens([i for i in ids if i not in special]))
-
     def encode_images(self, pixel_values: torch.Tensor) -> ImageContext:
         """Images ``(Bi, 3, S, S)`` in [0, 1] -> every block's cross-attention keys/values ``(Bi, H, Li, hd)``."""
         return ImageContext(self.decoder.project_context(self.image_proj(self.image_encoder(pixel_values))))
