@@ -49,7 +49,7 @@ MOVED_OPTIONS = {
     "attention_normalizer": "fuser.normalizer",
     "diversity_weight": "fuser.diversity_weight",
     "output_gate": "fuser.output_gate",
-    "readout": "head.type (pool: pooled; bilinear), or fuser.type map_program or cell_steps with head.type existence",
+    "readout": "head.type (pool: pooled; bilinear), or fuser.type map_program, cell_steps or cell_moves with head.type existence",
 }
 """The flat model options of configs written before the model became parts (issue 30), and where each went."""
 

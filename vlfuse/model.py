@@ -52,7 +52,7 @@ class VLFuseConfig:
         text: the text encoder.
         fusion_dim: the width both encoders are projected to, which the fuser and the head work in.
         fuser: what reads the question with the image: a mapping with ``type`` (one of
-            :data:`vlfuse.fusers.FUSERS`: ``fusion_stack``, ``cell_steps``, ``map_program``) and that
+            :data:`vlfuse.fusers.FUSERS`: ``fusion_stack``, ``cell_steps``, ``cell_moves``, ``map_program``) and that
             part's options (e.g. ``depth: 2``); a :class:`~vlfuse.fusers.FuserConfig` once built.
         head: what turns the fuser's output into answer scores: ``type`` (one of
             :data:`vlfuse.heads.HEADS`: ``bilinear``, ``pooled``, ``existence``) and its options.
@@ -372,7 +372,7 @@ class VLFuseModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(model_io.MO
                     continue
                 raise ValueError(
                     f"activation checkpointing: fuser {self.config.fuser.type!r} has no blocks to checkpoint "
-                    "(fusion_stack and cell_steps have): leave fuser out of the parts"
+                    "(fusion_stack, cell_steps and cell_moves have): leave fuser out of the parts"
                 )
             modules[name].set_grad_checkpointing(enable)
             chosen.append(name)

@@ -5,6 +5,7 @@ registering its config class with ``@FUSERS.register``.
 """
 
 from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig, encode_distinct
+from vlfuse.fusers.cell_moves import CellMovesConfig, CellMovesFuser
 from vlfuse.fusers.cell_steps import CellStepsConfig, CellStepsFuser
 from vlfuse.fusers.fusion_stack import FusionStackConfig, FusionStackFuser
 from vlfuse.fusers.map_program import OPERATIONS, MapProgramConfig, MapProgramFuser, MapProgramReader, PatchKeys, relative_offsets
@@ -15,6 +16,8 @@ __all__ = [
     "FUSERS",
     "OPERATIONS",
     "TOKENS",
+    "CellMovesConfig",
+    "CellMovesFuser",
     "CellStepsConfig",
     "CellStepsFuser",
     "Fused",

@@ -138,6 +138,10 @@ class CellStepsFuser(Fuser):
         grid = m.reshape(m.shape[0], 1, *self.grid_size)  # (B, 1, rows, cols)
         return F.unfold(grid, 3, padding=1).transpose(1, 2)
 
+    def _kept(self, log_m: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+        """What the update gate keeps of the set, ``log m`` ``(Bq, cells)``: the set as it is."""
+        return log_m
+
     def _finds(self, tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
         """Each word's per-head scores of each patch: ``(Bq, Lt, d), (Bq, cells, d) -> (Bq, Lt, cells, H)``."""
         q = self.head_norm(self.find_query(tokens).unflatten(-1, (self.heads, -1)))  # (Bq, Lt, H, dh)
@@ -166,6 +170,7 @@ class CellStepsFuser(Fuser):
             word = text[:, t, None, :]  # (Bq, 1, d)
             base = self.cell_position + self.find_in(scores[:, t])
             x = (base + self.state_in(self._neighbourhood(log_m.exp()))) * (1 + word) + word
+            kept = self._kept(log_m, text[:, t])
             if checkpointing:
                 stepped_cells = checkpoint(self.step, x, patches, need_weights=draw, head_mask=head_mask, use_reentrant=False)
             else:
@@ -174,7 +179,7 @@ class CellStepsFuser(Fuser):
                 stepped_cells, weights = stepped_cells  # weights (Bq, H, cells, Li)
                 drawn.append(weights.mean(2) * text_mask[:, t, None, None])  # (Bq, H, Li), 0 at padding
             gate, candidate = (self.state_out(self.norm_out(stepped_cells)) + finds[:, t]).unbind(-1)
-            stepped = torch.logaddexp(F.logsigmoid(-gate) + log_m, F.logsigmoid(gate) + F.logsigmoid(candidate))
+            stepped = torch.logaddexp(F.logsigmoid(-gate) + kept, F.logsigmoid(gate) + F.logsigmoid(candidate))
             log_m = torch.where(text_mask[:, t, None], stepped, log_m)  # padding leaves it
         attentions = {0: torch.stack(drawn[::-1], dim=2)} if draw else {}  # (Bq, H, Lt, Li)
         return Fused(torch.logsumexp(log_m, dim=1), attentions)  # evidence (Bq,)

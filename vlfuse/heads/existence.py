@@ -16,7 +16,7 @@ from vlfuse.parts import EVIDENCE
 @dataclass
 class ExistenceConfig(HeadConfig):
     """The existence head (``type: existence``): two answers, for the SHAPES readers
-    (``fuser: {type: map_program}`` or ``{type: cell_steps}``)."""
+    (``fuser: {type: map_program}``, ``{type: cell_steps}`` or ``{type: cell_moves}``)."""
 
     type: str = "existence"
     reads = EVIDENCE

@@ -1,0 +1,101 @@
+"""The cell-moves fuser: the cell-steps fuser whose kept set is shifted by the word, exactly, one
+cell at most."""
+
+import pytest
+import torch
+
+from vlfuse.fusers import CellMovesConfig, CellMovesFuser
+from vlfuse.fusers.cell_moves import STAY_BIAS
+from vlfuse.model import VLFuseModel
+
+from conftest import parameters_without_gradient, reader_config
+
+QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a circle red"]
+
+
+def cell_moves_model() -> VLFuseModel:
+    config = reader_config("cell_moves", mlp="swiglu", output_gate=True, dropout=0.0)
+    torch.manual_seed(0)
+    return VLFuseModel.from_config(config, ["false", "true"], QUESTIONS)
+
+
+def answer(model: VLFuseModel, pixels: torch.Tensor, questions: list[str], index: torch.Tensor):
+    tokens = model.processor.tokenize(questions)
+    return model(pixels, tokens["input_ids"], tokens["attention_mask"], image_index=index)
+
+
+def shift_only_to(fuser: CellMovesFuser, step: tuple[int, int]) -> None:
+    """Make every word shift the set by ``step`` (rows, cols), with all the weight."""
+    with torch.no_grad():
+        fuser.shift.weight.zero_()
+        fuser.shift.bias.fill_(-1e4)
+        fuser.shift.bias[fuser.shift_steps().index(step)] = 0.0
+
+
+def test_it_is_built_by_type_and_every_parameter_gets_a_gradient():
+    model = cell_moves_model()
+    assert isinstance(model.fuser, CellMovesFuser)
+    logits = answer(model, torch.rand(2, 3, 32, 32), QUESTIONS, torch.tensor([0, 1, 1])).logits
+    torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 1])).backward()
+    missing = parameters_without_gradient(model)
+    assert [name for name in missing if "embeddings" not in name or "word_embeddings" in name] == []
+    assert model.fuser.shift.weight.grad.abs().sum() > 0
+
+
+def test_it_starts_by_keeping_most_of_the_set_where_it_is():
+    fuser = cell_moves_model().fuser
+    shifts = fuser.shifts(torch.randn(5, fuser.shift.in_features) * 0.01)
+    stay = fuser.shift_steps().index((0, 0))
+    assert shifts.shape == (5, 9)
+    torch.testing.assert_close(shifts.sum(-1), torch.ones(5))
+    expected = torch.tensor(STAY_BIAS).exp() / (torch.tensor(STAY_BIAS).exp() + 8)
+    assert torch.allclose(shifts[:, stay], expected.expand(5), atol=0.02)
+
+
+@pytest.mark.parametrize("step", [(0, 1), (0, -1), (-1, 0), (1, 0), (0, 0)])
+def test_a_word_with_all_its_weight_on_one_shift_moves_the_set_exactly(step):
+    """``right of``: the set moves one column right; what reached the edge is gone, nothing stays behind."""
+    fuser = cell_moves_model().fuser
+    rows, cols = fuser.grid_size
+    shift_only_to(fuser, step)
+    m = torch.rand(2, rows, cols)
+    kept = fuser._kept(m.flatten(1).log(), torch.randn(2, fuser.shift.in_features)).exp().reshape(2, rows, cols)
+    expected = torch.zeros_like(m)
+    dr, dc = step
+    for r in range(rows):
+        for c in range(cols):
+            if 0 <= r - dr < rows and 0 <= c - dc < cols:
+                expected[:, r, c] = m[:, r - dr, c - dc]
+    torch.testing.assert_close(kept, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_two_moves_right_compose_to_two_columns_and_give_up_where_they_started():
+    """The double move the cell-steps reader got wrong: green in the first column, two moves right,
+    must be in the third column only (the question then asks whether that cell is green)."""
+    fuser = cell_moves_model().fuser
+    rows, cols = fuser.grid_size
+    shift_only_to(fuser, (0, 1))
+    start = torch.zeros(1, rows, cols)
+    start[0, :, 0] = 1.0
+    log_m = start.flatten(1).clamp_min(1e-30).log()
+    word = torch.randn(1, fuser.shift.in_features)
+    moved = fuser._kept(fuser._kept(log_m, word), word).exp().reshape(rows, cols)
+    assert moved[:, 2].min() > 0.999 and moved[:, :2].max() < 1e-6
+
+
+def test_the_gradient_of_a_set_off_the_grid_is_finite():
+    fuser = cell_moves_model().fuser
+    log_m = torch.full((1, fuser.grid_size[0] * fuser.grid_size[1]), -50.0, requires_grad=True)
+    word = torch.randn(1, fuser.shift.in_features, requires_grad=True)
+    fuser._kept(log_m, word).sum().backward()
+    assert torch.isfinite(log_m.grad).all() and torch.isfinite(word.grad).all()
+
+
+def test_saves_and_loads_with_identical_logits(tmp_path):
+    model = cell_moves_model().eval()
+    pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
+    loaded = VLFuseModel.from_pretrained(model.save_pretrained(tmp_path / "model")).eval()
+    assert loaded.config.fuser == CellMovesConfig(mlp="swiglu", output_gate=True, dropout=0.0)
+    with torch.no_grad():
+        torch.testing.assert_close(answer(loaded, pixels, QUESTIONS, index).logits,
+                                   answer(model, pixels, QUESTIONS, index).logits, rtol=0, atol=0)

@@ -1,0 +1,80 @@
+"""The cell-moves reader: the cell-steps reader whose kept set can move one cell, as the word says.
+
+In the cell-steps reader a word moves the set only through the update's candidate, which the shared
+block computes from each cell's neighbourhood; nothing makes that move exact, and nothing makes it
+give up the cells it came from. Here what the update gate keeps is the set shifted by the word: a
+convex mix of the nine one-cell shifts (the neighbourhood), ``softmax(W word)``, as a Neural
+Turing Machine shifts its read head, so a relation word can move the whole set and keep nothing of
+where it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlfuse.fusers.base import FUSERS
+from vlfuse.fusers.cell_steps import CellStepsConfig, CellStepsFuser
+
+NEIGHBOURHOOD = 3
+"""The shifts a word can make: every offset of a ``3 x 3`` neighbourhood, the cell itself included."""
+STAY_BIAS = 4.0
+"""Initial logit of "no shift" (the others start at 0): 0.87 of the kept set stays where it is, so
+the reader starts as the cell-steps reader does, and each one-cell shift gets 0.016, enough
+gradient to be found."""
+
+
+@FUSERS.register
+@dataclass
+class CellMovesConfig(CellStepsConfig):
+    """The cell-moves reader (``type: cell_moves``): :class:`~vlfuse.fusers.CellStepsConfig` whose
+    kept set is shifted by the word (:class:`CellMovesFuser`). The same options."""
+
+    type: str = "cell_moves"
+
+    def build(self, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> "CellMovesFuser":
+        return CellMovesFuser(self, dim, text_width=text_width, grid_size=grid_size)
+
+
+class CellMovesFuser(CellStepsFuser):
+    """:class:`~vlfuse.fusers.CellStepsFuser` whose update reads ``m <- (1 - g) S_w(m) + g c``.
+
+    ``S_w(m)`` is the set shifted by the word: each cell takes ``sum_k p_k m[cell + offset_k]`` over
+    the nine offsets of its neighbourhood (nothing comes from beyond the grid's edge), with
+    ``p = softmax(W word)`` one distribution per word, whatever the image. One offset that takes all
+    the weight moves the whole set exactly, as "right of" asks; "no shift" keeps it, as the
+    cell-steps reader does. Everything else (finds, the shared block, the gate) is the cell-steps
+    reader's.
+
+    Args: as :class:`~vlfuse.fusers.CellStepsFuser`.
+    """
+
+    def __init__(self, config: CellMovesConfig, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> None:
+        super().__init__(config, dim, text_width=text_width, grid_size=grid_size)
+        self.shift = nn.Linear(text_width, NEIGHBOURHOOD * NEIGHBOURHOOD)
+        with torch.no_grad():
+            self.shift.bias.zero_()
+            self.shift.bias[NEIGHBOURHOOD * NEIGHBOURHOOD // 2] = STAY_BIAS
+
+    def shifts(self, words: torch.Tensor) -> torch.Tensor:
+        """Each word's distribution over the nine shifts ``(..., 9)``, in :meth:`shift_steps` order."""
+        return self.shift(words).softmax(-1)
+
+    @staticmethod
+    def shift_steps() -> list[tuple[int, int]]:
+        """``(rows, cols)`` by which each shift moves the set: a cell reads the cell at offset
+        ``(dr, dc)`` of its neighbourhood, so the set moves by ``(-dr, -dc)``."""
+        half = NEIGHBOURHOOD // 2
+        return [(-dr, -dc) for dr in range(-half, half + 1) for dc in range(-half, half + 1)]
+
+    def _kept(self, log_m: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+        """``log S_w(m)`` ``(Bq, cells)`` from ``log m`` ``(Bq, cells)`` and the word ``(Bq, width)``."""
+        grid = log_m.reshape(log_m.shape[0], 1, *self.grid_size)  # (Bq, 1, rows, cols)
+        beyond_edge = torch.finfo(log_m.dtype).min  # log 0, finite so that gradients stay finite
+        padded = F.pad(grid, (1, 1, 1, 1), value=beyond_edge)
+        neighbours = F.unfold(padded, NEIGHBOURHOOD).transpose(1, 2)  # (Bq, cells, 9)
+        log_shift = self.shift(word).log_softmax(-1)  # (Bq, 9)
+        return torch.logsumexp(neighbours + log_shift[:, None, :], dim=-1)
