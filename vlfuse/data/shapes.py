@@ -177,6 +177,29 @@ def to_english(query: Query) -> str:
     return " ".join(english)
 
 
+def question_pattern(question: str) -> str:
+    """A question's pattern, its words replaced by their kind and numbered in order of first use:
+    colours ``C``, shapes ``S``, relations ``R``.
+
+    Takes the English form (what :class:`~vlfuse.callbacks.GroupAccuracy` gives) or the query:
+    "is green right of right of a green shape" and ``(is green (right_of (right_of green)))`` are
+    both ``is C1 R1 R1 C1``: one relation twice, and the colour it starts from asked for again. Use
+    it as ``GroupAccuracy``'s ``group_of`` to log each pattern's val accuracy every epoch.
+    """
+    words = re.findall(r"[a-z]+", question.lower().replace("_of", ""))
+    kinds = {**{w: "C" for w in COLOURS}, **{w: "S" for w in SHAPES}, **{r.removesuffix("_of"): "R" for r in RELATIONS}}
+    numbered: dict[str, str] = {}
+    pattern = ["is"]
+    for word in words:
+        kind = kinds.get(word)
+        if kind is None:
+            continue
+        if word not in numbered:
+            numbered[word] = f"{kind}{sum(v.startswith(kind) for v in numbered.values()) + 1}"
+        pattern.append(numbered[word])
+    return " ".join(pattern)
+
+
 # ------------------------------------------------------------------------------------- semantics
 
 
