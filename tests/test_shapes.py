@@ -369,3 +369,19 @@ def test_data_folder_lookup(tmp_path, monkeypatch, shapes_dir):
         find_shapes_dir()
     with pytest.raises(FileNotFoundError, match="missing"):
         ShapesDataModule(data_dir=str(tmp_path / "missing")).records("val")
+
+
+@pytest.mark.parametrize(
+    "query, pattern",
+    [
+        ("(is green (right_of (right_of green)))", "is C1 R1 R1 C1"),
+        ("(is red (right_of (right_of blue)))", "is C1 R1 R1 C2"),
+        ("(is square (left_of (right_of green)))", "is S1 R1 R2 C1"),
+        ("(is triangle (above (right_of square)))", "is S1 R1 R2 S2"),
+        ("(is red red)", "is C1 C1"),
+        ("(is green triangle)", "is C1 S1"),
+    ],
+)
+def test_question_pattern_is_the_same_for_the_query_and_its_english(query, pattern):
+    assert S.question_pattern(query) == pattern
+    assert S.question_pattern(S.to_english(S.parse_query(query))) == pattern
