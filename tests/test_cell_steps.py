@@ -154,3 +154,22 @@ def test_prune_heads_removes_them_for_real_and_they_stay_removed_when_saved(tmp_
         assert loaded.fuser.step.cross_attn.num_heads == 14
         # the same path as `out` (weights asked for): SDPA and the explicit path differ by rounding with 2+ threads
         torch.testing.assert_close(answer(loaded, pixels, QUESTIONS, index, weights_from=[0]).logits, out.logits, rtol=0, atol=0)
+
+
+def test_states_trace_the_set_word_by_word_and_end_at_the_set_the_answer_reads():
+    model = cell_steps_model().eval()
+    pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
+    tokens = model.processor.tokenize(QUESTIONS)
+    mask = tokens["attention_mask"].bool()
+    with torch.no_grad():
+        text = model.fuser.question_features(model.text_encoder, tokens["input_ids"], mask)
+        patches = model.fuser.image_context(model.embed_images(pixels), model.image_encoder.num_prefix_tokens)
+        states = model.fuser.states(text, mask, patches, index)  # (3, Lt, cells)
+        evidence = model.fuser(text, mask, patches, index).output
+    assert states.shape == (3, mask.shape[1], patches.shape[1])
+    assert ((states > 0) & (states <= 1)).all()
+    torch.testing.assert_close(states[:, 0].log().logsumexp(-1), evidence)
+    last = mask.sum(1) - 1  # the first word read; padding after it repeats the full start set
+    for q in range(3):
+        assert torch.equal(states[q, last[q] + 1 :], torch.ones_like(states[q, last[q] + 1 :]))
+        assert not torch.equal(states[q, last[q]], torch.ones_like(states[q, last[q]]))

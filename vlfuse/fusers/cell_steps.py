@@ -4,7 +4,7 @@ the question one word at a time, last word first, through one shared 16-head fus
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Iterator, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +148,41 @@ class CellStepsFuser(Fuser):
         k = self.head_norm(self.find_key(patches).unflatten(-1, (self.heads, -1)))  # (Bq, cells, H, dh)
         return torch.einsum("bthe,bche->btch", q, k) / q.shape[-1] ** 0.5
 
+    def _read(
+        self, text: torch.Tensor, text_mask: torch.Tensor, patches: torch.Tensor, head_mask: torch.Tensor | None, draw: bool,
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """Reads the words last first: yields ``(t, log m (Bq, cells) once word t is read, the block's
+        cross-attention weights (Bq, H, cells, Li) when ``draw``, else None)``."""
+        scores = self._finds(text, patches)  # (Bq, Lt, cells, H)
+        finds = self.find_out(scores)  # (Bq, Lt, cells, 2)
+        log_m = patches.new_zeros(patches.shape[:2])  # (Bq, cells): log 1, every cell
+        checkpointing = self.grad_checkpointing and self.training and torch.is_grad_enabled()
+        for t in range(text.shape[1] - 1, -1, -1):
+            word = text[:, t, None, :]  # (Bq, 1, d)
+            base = self.cell_position + self.find_in(scores[:, t])
+            x = (base + self.state_in(self._neighbourhood(log_m.exp()))) * (1 + word) + word
+            kept = self._kept(log_m, text[:, t])
+            if checkpointing:
+                stepped_cells = checkpoint(self.step, x, patches, need_weights=draw, head_mask=head_mask, use_reentrant=False)
+            else:
+                stepped_cells = self.step(x, patches, need_weights=draw, head_mask=head_mask)
+            weights = None
+            if draw:
+                stepped_cells, weights = stepped_cells
+            gate, candidate = (self.state_out(self.norm_out(stepped_cells)) + finds[:, t]).unbind(-1)
+            stepped = torch.logaddexp(F.logsigmoid(-gate) + kept, F.logsigmoid(gate) + F.logsigmoid(candidate))
+            log_m = torch.where(text_mask[:, t, None], stepped, log_m)  # padding leaves it
+            yield t, log_m, weights
+
+    def states(self, text: torch.Tensor, text_mask: torch.Tensor, image_context: torch.Tensor,
+               image_index: torch.Tensor | None = None) -> torch.Tensor:
+        """The soft set ``m`` once each word is read ``(Bq, Lt, cells)``: row t holds it after word t
+        (the words are read last first, so row 0 is the final set; padding repeats the set before it).
+        The arguments are :meth:`forward`'s."""
+        patches = image_context if image_index is None else image_context[image_index]  # (Bq, cells, d)
+        after = {t: log_m.exp() for t, log_m, _ in self._read(text, text_mask, patches, None, False)}
+        return torch.stack([after[t] for t in range(text.shape[1])], dim=1)
+
     def forward(
         self,
         text: torch.Tensor,
@@ -161,25 +196,9 @@ class CellStepsFuser(Fuser):
         head_mask = None if head_masks is None else head_masks[0]
         draw = 0 in set(weights_from)
         patches = image_context if image_index is None else image_context[image_index]  # (Bq, cells, d)
-        scores = self._finds(text, patches)  # (Bq, Lt, cells, H)
-        finds = self.find_out(scores)  # (Bq, Lt, cells, 2)
-        log_m = patches.new_zeros(patches.shape[:2])  # (Bq, cells): log 1, every cell
-        checkpointing = self.grad_checkpointing and self.training and torch.is_grad_enabled()
         drawn = []
-        for t in range(text.shape[1] - 1, -1, -1):
-            word = text[:, t, None, :]  # (Bq, 1, d)
-            base = self.cell_position + self.find_in(scores[:, t])
-            x = (base + self.state_in(self._neighbourhood(log_m.exp()))) * (1 + word) + word
-            kept = self._kept(log_m, text[:, t])
-            if checkpointing:
-                stepped_cells = checkpoint(self.step, x, patches, need_weights=draw, head_mask=head_mask, use_reentrant=False)
-            else:
-                stepped_cells = self.step(x, patches, need_weights=draw, head_mask=head_mask)
+        for t, log_m, weights in self._read(text, text_mask, patches, head_mask, draw):
             if draw:
-                stepped_cells, weights = stepped_cells  # weights (Bq, H, cells, Li)
                 drawn.append(weights.mean(2) * text_mask[:, t, None, None])  # (Bq, H, Li), 0 at padding
-            gate, candidate = (self.state_out(self.norm_out(stepped_cells)) + finds[:, t]).unbind(-1)
-            stepped = torch.logaddexp(F.logsigmoid(-gate) + kept, F.logsigmoid(gate) + F.logsigmoid(candidate))
-            log_m = torch.where(text_mask[:, t, None], stepped, log_m)  # padding leaves it
         attentions = {0: torch.stack(drawn[::-1], dim=2)} if draw else {}  # (Bq, H, Lt, Li)
         return Fused(torch.logsumexp(log_m, dim=1), attentions)  # evidence (Bq,)
