@@ -166,6 +166,11 @@ def to_english(query: Query) -> str:
     colour word becomes "a COLOUR shape", a shape word "a SHAPE", and ``_`` a space:
     ``(is green (right_of blue))`` -> "is a green shape right of a blue shape".
     """
+    return " ".join(english_phrases(query))
+
+
+def english_phrases(query: Query) -> list[str]:
+    """:func:`to_english` one phrase per query word: ``['is', 'green', 'right of', 'a blue shape']``."""
     english = []
     for i, word in enumerate(query_words(query)):
         if word in COLOURS:
@@ -174,7 +179,7 @@ def to_english(query: Query) -> str:
             english.append(f"a {word}")
         else:
             english.append(word.replace("_", " "))
-    return " ".join(english)
+    return english
 
 
 def question_pattern(question: str) -> str:

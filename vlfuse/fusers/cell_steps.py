@@ -142,18 +142,21 @@ class CellStepsFuser(Fuser):
         """What the update gate keeps of the set, ``log m`` ``(Bq, cells)``: the set as it is."""
         return log_m
 
-    def _finds(self, tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+    def find_keys(self, patches: torch.Tensor) -> torch.Tensor:
+        """Each head's QK-normed find key of each patch: ``(B, cells, d) -> (B, cells, H, d / H)``."""
+        return self.head_norm(self.find_key(patches).unflatten(-1, (self.heads, -1)))
+
+    def finds(self, tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
         """Each word's per-head scores of each patch: ``(Bq, Lt, d), (Bq, cells, d) -> (Bq, Lt, cells, H)``."""
         q = self.head_norm(self.find_query(tokens).unflatten(-1, (self.heads, -1)))  # (Bq, Lt, H, dh)
-        k = self.head_norm(self.find_key(patches).unflatten(-1, (self.heads, -1)))  # (Bq, cells, H, dh)
-        return torch.einsum("bthe,bche->btch", q, k) / q.shape[-1] ** 0.5
+        return torch.einsum("bthe,bche->btch", q, self.find_keys(patches)) / q.shape[-1] ** 0.5
 
     def _read(
         self, text: torch.Tensor, text_mask: torch.Tensor, patches: torch.Tensor, head_mask: torch.Tensor | None, draw: bool,
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
         """Reads the words last first: yields ``(t, log m (Bq, cells) once word t is read, the block's
         cross-attention weights (Bq, H, cells, Li) when ``draw``, else None)``."""
-        scores = self._finds(text, patches)  # (Bq, Lt, cells, H)
+        scores = self.finds(text, patches)  # (Bq, Lt, cells, H)
         finds = self.find_out(scores)  # (Bq, Lt, cells, 2)
         log_m = patches.new_zeros(patches.shape[:2])  # (Bq, cells): log 1, every cell
         checkpointing = self.grad_checkpointing and self.training and torch.is_grad_enabled()

@@ -1,0 +1,86 @@
+"""scripts/shapes_reader_probe.py: the probes of a SHAPES cell reader (finds, keys, shifts, states)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, SHARED, load_script, tiny_config
+from vlfuse.data.shapes import parse_query, to_english
+from vlfuse.encoders import ImageEncoderConfig, TextEncoderConfig
+from vlfuse.model import VLFuseModel
+
+probe = load_script("shapes_reader_probe")
+needs_shapes = pytest.mark.skipif(not (SHARED / "data" / "shapes").exists(), reason="needs ../shared/data/shapes")
+
+
+def shapes_reader(fuser: str) -> VLFuseModel:
+    config = tiny_config(
+        image=ImageEncoderConfig(image_size=30, patch_size=10, width=32, depth=1, num_heads=2),
+        text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=24),
+        fuser={"type": fuser}, head={"type": "existence"},
+    )
+    torch.manual_seed(0)
+    words = ["is a red shape right of right of a green shape above below a circle left of a blue square triangle"]
+    return VLFuseModel.from_config(config, ["false", "true"], words)
+
+
+def test_the_sets_a_double_move_passes_through_in_reading_order_and_the_tokens_that_complete_them():
+    query = parse_query("(is green (right_of (right_of green)))")
+    sets = probe.set_tokens(query)
+    assert [expr for _, expr in sets] == [
+        "green", ("right_of", "green"), ("right_of", ("right_of", "green")), ("and", "green", query[2]),
+    ]
+    tokens = ["[CLS]"] + to_english(query).split() + ["[SEP]"]
+    assert [tokens[index] for index, _ in sets] == ["a", "right", "right", "a"]  # "... right of a green shape"
+    assert [index for index, _ in sets] == [9, 7, 5, 2]
+
+
+def test_a_question_without_a_relation_passes_through_its_word_and_the_intersection():
+    query = parse_query("(is red square)")
+    assert probe.query_sets(query) == [(2, "square"), (1, ("and", "red", "square"))]
+
+
+def test_the_probes_refuse_a_model_without_a_cell_reader():
+    with pytest.raises(SystemExit, match="cell_steps or cell_moves.*'fusion_stack'"):
+        probe.reader_of(VLFuseModel.from_config(tiny_config(), ["no", "yes"], ["is it red"]))
+
+
+def test_a_reader_that_holds_exactly_each_denoted_set_scores_1_on_it_and_0_elsewhere(monkeypatch):
+    """The states' bookkeeping: with the true sets put in the reader's place, every part reads 1 / 0."""
+    from vlfuse.data import shapes as S
+
+    model = shapes_reader("cell_moves")
+    queries = ["(is green (right_of (right_of green)))", "(is circle (below square))", "(is red red)"]
+    split = S.generate_training_set([parse_query(q) for q in queries], seed=0, images_per_question=4)
+
+    def true_states(text, mask, patches, image_index=None):
+        states = torch.full((len(patches), mask.shape[1], 9), 0.5)
+        for row, text_query in enumerate(split.queries):
+            for token, expr in probe.set_tokens(parse_query(text_query)):
+                states[row, token] = torch.from_numpy(probe._denoted(expr, split.scenes[row]).reshape(-1)).float()
+        return states
+
+    monkeypatch.setattr(model.fuser, "states", true_states)
+    sums = probe.set_states(model, split, split.scenes)
+    assert ("is C1 R1 R1 C1", "R1 R1 C1") in sums and ("is C1 C1", "C1 C1") in sums and len(sums) == 4 + 3 + 2
+    for (n, inside, n_inside, outside) in sums.values():
+        assert n == 4 and outside == 0.0 and inside == n_inside
+
+
+@needs_shapes
+def test_the_command_probes_a_saved_cell_moves_model(tmp_path, one_thread):
+    shapes_reader("cell_moves").save_pretrained(tmp_path / "model")
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "shapes_reader_probe.py"), "--model", str(tmp_path / "model"),
+         "--scenes", "120", "--questions", "200", "--threads", "1"],
+        capture_output=True, text=True, check=True, env={**os.environ, "VLFUSE_SHAPES_DIR": str(SHARED / "data" / "shapes")},
+    ).stdout
+    for section in ("finds (", "keys:", "shifts:", "states (val"):
+        assert section in out
+    right = next(line for line in out.splitlines() if line.startswith("  right "))
+    step, weight, stay = right.split(None, 1)[1].rsplit(None, 2)
+    assert step == "(0, 0)" and weight == stay and float(stay) > 0.8  # untrained: the stay bias holds most of the kept set
+    assert sum(line.startswith("  head ") for line in out.splitlines()) == 16  # the reader's 16 find heads
