@@ -20,7 +20,7 @@ from conftest import REPO, SHARED, reader_config, tiny_cli_args, tiny_config
 EASY_VQA = REPO / "configs" / "easy_vqa.yaml"
 SHAPES = REPO / "configs" / "shapes_pool.yaml"  # a model with fusion heads to analyse
 PRUNED = {0: [1, 5]}  # layer 0 keeps 14 of its 16 heads
-SHAPES_FUSION = REPO / "configs" / "shapes_fusion.yaml"  # the cell_steps fuser: one layer of 16 heads
+SHAPES_FUSION = REPO / "configs" / "shapes_fusion.yaml"  # the cell_moves fuser: one layer of 16 heads
 ROLES = {"sink", "global", "object", "local", "mixed"}
 
 
@@ -119,14 +119,14 @@ def test_report_on_a_tiny_model_has_every_head_figure_and_score(model_dir, tmp_p
 
 @pytest.fixture(scope="module")
 def shapes_fusion_dir(tmp_path_factory) -> Path:
-    """A tiny cell_steps model trained by ``vlfuse fit`` (:func:`fit_shapes_fusion`)."""
+    """A tiny cell_moves model trained by ``vlfuse fit`` (:func:`fit_shapes_fusion`)."""
     return fit_shapes_fusion(tmp_path_factory.mktemp("shapes_fusion"))
 
 
 @needs_shapes
-def test_report_on_a_cell_steps_model_names_each_of_its_16_heads(shapes_fusion_dir, tmp_path, capsys):
+def test_report_on_a_cell_reader_names_each_of_its_16_heads(shapes_fusion_dir, tmp_path, capsys):
     model = VLFuseModel.from_pretrained(shapes_fusion_dir)
-    assert model.config.fuser.type == "cell_steps" and model.fusion_head_ids == [list(range(16))]
+    assert model.config.fuser.type == "cell_moves" and model.fusion_head_ids == [list(range(16))]
     out = tmp_path / "report"
     args = ["analyze", "--model", str(shapes_fusion_dir), "--config", str(SHAPES_FUSION), "--out", str(out),
             "--limit-images", "8"]

@@ -1,5 +1,6 @@
-"""The cell-steps fuser (configs/shapes_fusion.yaml): a one-number state per grid cell, updated word
-by word by one shared 16-head fusion block, read by the existence head. The shared block's
+"""The cell-steps fuser (``fuser: {type: cell_steps}``; configs/shapes_fusion.yaml uses its
+cell_moves variant): a one-number state per grid cell, updated word by word by one shared 16-head
+fusion block, read by the existence head. The shared block's
 cross-attention is the fuser's one attention layer: its heads are masked, drawn and pruned."""
 
 import copy

@@ -260,15 +260,15 @@ def test_fraction_zero_with_fine_tuning_is_the_unpruned_control(trained, tmp_pat
     assert not torch.equal(model.head.classifier[2].weight, original.head.classifier[2].weight)  # fine-tuned all the same
 
 
-# ------------------------------------------------------------- vlfuse prune on the cell_steps fuser
+# ------------------------------------------------------------- vlfuse prune on the cell readers (configs/shapes_fusion.yaml: cell_moves)
 @pytest.fixture(scope="module")
 def shapes_fusion_dir(tmp_path_factory):
-    """A tiny cell_steps model (configs/shapes_fusion.yaml: one shared block of 16 heads) exported by ``vlfuse fit``."""
+    """A tiny cell_moves model (configs/shapes_fusion.yaml: one shared block of 16 heads) exported by ``vlfuse fit``."""
     return fit_shapes_fusion(tmp_path_factory.mktemp("shapes_fusion"))
 
 
 @needs_shapes
-def test_vlfuse_prune_removes_cell_steps_heads_and_the_smaller_model_answers(shapes_fusion_dir, tmp_path, capsys):
+def test_vlfuse_prune_removes_a_cell_readers_heads_and_the_smaller_model_answers(shapes_fusion_dir, tmp_path, capsys):
     out = tmp_path / "pruned"
     code = vlfuse_main([
         "prune", "--model", str(shapes_fusion_dir), "--config", str(SHAPES_FUSION), "--score", "gradient",
@@ -280,7 +280,7 @@ def test_vlfuse_prune_removes_cell_steps_heads_and_the_smaller_model_answers(sha
         assert row in printed
     original = VLFuseModel.from_pretrained(shapes_fusion_dir)
     model = VLFuseModel.from_pretrained(out)
-    assert model.config.fuser.type == "cell_steps"
+    assert model.config.fuser.type == "cell_moves"
     assert heads_per_layer(original) == [16] and heads_per_layer(model) == [8]
     assert model.fuser.step.cross_attn.num_heads == 8
 
