@@ -99,24 +99,31 @@ class Block:
     line: int
     language: str
     code: str
+    slow: bool = False
 
     @property
     def name(self) -> str:
         return f"{self.path.relative_to(REPO)}:{self.line}"
 
 
+SLOW_MARK = "<!-- slow:"
+"""A block whose fence follows a line starting ``<!-- slow: why -->`` (hidden when rendered) runs only
+with ``-m slow``: the why names the test that runs the same command at tiny size in the suite."""
+
+
 def code_blocks(path: Path) -> list[Block]:
     """The ``python`` and ``bash`` blocks of a markdown file."""
-    blocks, language, lines, start = [], None, [], 0
+    blocks, language, lines, start, previous = [], None, [], 0, ""
     for number, text in enumerate(path.read_text().splitlines(), 1):
         if language is None and text.startswith("```"):
-            language, lines, start = text[3:].strip(), [], number
+            language, lines, start, slow = text[3:].strip(), [], number, previous.startswith(SLOW_MARK)
         elif language is not None and text.startswith("```"):
             if language in ("python", "bash"):
-                blocks.append(Block(path, start, language, "\n".join(lines) + "\n"))
+                blocks.append(Block(path, start, language, "\n".join(lines) + "\n", slow))
             language = None
         elif language is not None:
             lines.append(text)
+        previous = text
     return blocks
 
 
@@ -125,7 +132,7 @@ SLOW_DOCUMENTS = {"results.md"}
 """Documents whose blocks run only with ``-m slow``: the results log's reproduction commands retrain
 and re-measure (about 5 of the runner's 12 minutes on 2 loaded cores), and no later block needs them."""
 BLOCK_CASES = [
-    pytest.param(block, id=block.name, marks=[pytest.mark.slow] if block.path.name in SLOW_DOCUMENTS else [])
+    pytest.param(block, id=block.name, marks=[pytest.mark.slow] if block.slow or block.path.name in SLOW_DOCUMENTS else [])
     for block in BLOCKS
 ]
 
@@ -257,3 +264,9 @@ def test_documented_example_runs(block, workspace):
     if not script.strip():
         pytest.skip(f"{block.name}: {'; '.join(SKIPPED[p] for p in SKIPPED if re.search(p, block.code))}")
     assert_ran(run(["bash", "-eo", "pipefail", "-c", script], workspace), f"{block.name} ({script.strip()})")
+
+
+def test_a_block_after_a_slow_mark_is_slow_and_the_next_one_is_not(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- slow: tests/test_x.py runs it tiny -->\n```bash\nvlfuse fit\n```\n\ntext\n```bash\nvlfuse predict\n```\n")
+    assert [(block.code, block.slow) for block in code_blocks(page)] == [("vlfuse fit\n", True), ("vlfuse predict\n", False)]
