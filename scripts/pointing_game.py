@@ -117,13 +117,30 @@ def shapes_items(data_dir: Path, limit_images: int | None) -> Iterator[Item]:
         yield CellItem(np.ascontiguousarray(image), to_english(query), block)
 
 
-def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict, int]:
+def usable_runs(model, item: Item) -> tuple[list[tuple[str, int | None]], dict[str, str]]:
+    """``(method, layer)`` pairs the model can be explained by, tried on ``item``, and
+    ``{method: why not}`` for those it refuses (the SHAPES cell readers keep no values for gradcam)."""
+    pixels = model.processor.image(item.image)[None]
+    layers = range(model.num_fusion_layers)
+    runs, refused = [], {}
+    for name in METHODS:
+        chosen = list(layers) if METHODS[name].per_layer else [None]
+        try:
+            explain_pixels(model, pixels, item.question, name, layer=chosen[0])
+        except ValueError as err:
+            refused[name] = str(err)
+            continue
+        runs += [(name, layer) for layer in chosen]
+    return runs, refused
+
+
+def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict, int, dict[str, str]]:
     """Hit counts per method and layer, per head, and of the baselines, each ``{name: [hits by each of
-    SHARES, questions]}``, and the number of questions left out because their object has no patch."""
+    SHARES, questions]}``, the number of questions left out because their object has no patch, and
+    the methods the model refuses, with why."""
     grid = tuple(model.image_encoder.grid_size)
     rng = np.random.default_rng(seed)
-    layers = range(model.num_fusion_layers)
-    runs = [(name, layer) for name in METHODS for layer in (layers if METHODS[name].per_layer else [None])]
+    runs, refused = usable_runs(model, items[0])
     methods = {f"{name}" + ("" if layer is None else f" layer {layer}"): [0] * (len(SHARES) + 1) for name, layer in runs}
     heads: dict[str, list] = {}
     baselines = {name: [0] * (len(SHARES) + 1) for name in ("random map", "uniform map (expected)", "centre patch")}
@@ -152,7 +169,7 @@ def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict, int]:
         count(baselines["random map"], lambda region: hit(random_map, region))
         count(baselines["uniform map (expected)"], lambda region: float(region.mean()))
         count(baselines["centre patch"], lambda region: bool(region[grid[0] // 2, grid[1] // 2]))
-    return methods, heads, baselines, left_out
+    return methods, heads, baselines, left_out, refused
 
 
 def rates(counts: list) -> list[str]:
@@ -200,12 +217,15 @@ def main() -> None:
             raise SystemExit(f"error: --shapes-dir: {err}") from None
     if not items:
         raise SystemExit(f"error: --data {args.data}: no question about one object")
-    methods, heads, baselines, left_out = score(model, items, args.seed)
+    methods, heads, baselines, left_out, refused = score(model, items, args.seed)
     print(report(methods, heads, baselines))
+    for name, why in refused.items():
+        print(f"\n{name}: not scored, this model refuses it: {why}")
     print(f"\n{len(items)} questions; {left_out} left out: their object has no patch")
     if args.json is not None:
         args.json.write_text(json.dumps({"model": str(args.model), "data": args.data, "methods": methods, "heads": heads,
-                                         "baselines": baselines, "questions": len(items), "left_out": left_out}, indent=1))
+                                         "baselines": baselines, "questions": len(items), "left_out": left_out,
+                                         "refused": refused}, indent=1))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from vlfuse.cli import main as vlfuse_main
 from vlfuse.layers import attention as attention_module
 from vlfuse.model import VLFuseModel
 
-from conftest import SHARED, load_script, tiny_config
+from conftest import SHARED, load_script, reader_config, tiny_config
 
 ANSWERS = ["no", "yes", "red", "blue", "green", "circle"]
 QUESTIONS = ["what color is the shape?", "is there a red shape?", "what shape is it?"]
@@ -201,8 +201,8 @@ def test_pointing_scores_count_every_question_for_every_method_and_baseline(mode
     scene[8:24, 8:24] = (200, 30, 30)  # a red square on the centre 2x2 patches of the 4x4 grid, by both rules
     items = [pointing.Item(scene, q) for q in QUESTIONS]
     empty = pointing.Item(np.full((32, 32, 3), 255, dtype=np.uint8), QUESTIONS[0])
-    methods, heads, baselines, left_out = pointing.score(model, items + [empty], seed=0)
-    assert left_out == 1  # nothing to point at
+    methods, heads, baselines, left_out, refused = pointing.score(model, items + [empty], seed=0)
+    assert left_out == 1 and refused == {}  # nothing to point at; the fusion stack takes every method
     assert set(methods) == {"attention layer 0", "attention layer 1", "gradcam layer 0", "gradcam layer 1",
                             "rollout", "input_gradient"}
     assert all(total == len(items) and 0 <= touch <= total and strict <= touch
@@ -336,3 +336,15 @@ def test_the_command_explains_each_word_of_a_caption_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as usage:
         vlfuse_main([*argv, "--question", "what is it?"])
     assert usage.value.code == 2 and "is a caption model: it explains its own caption" in capsys.readouterr().err
+
+
+def test_pointing_scores_a_shapes_cell_reader_by_the_methods_it_takes_and_says_why_not_gradcam():
+    pointing = load_script("pointing_game")
+    config = reader_config("cell_moves")
+    config.image.image_size, config.image.patch_size = 30, 10  # a 3x3 grid, one patch per SHAPES cell
+    model = VLFuseModel.from_config(config, ["false", "true"], ["is a red shape above a circle"]).eval()
+    items = list(pointing.shapes_items(SHARED / "data" / "shapes", 32))
+    methods, heads, baselines, left_out, refused = pointing.score(model, items, seed=0)
+    assert set(methods) == {"attention layer 0", "rollout", "input_gradient"}
+    assert list(refused) == ["gradcam"] and "fuser 'cell_moves' does not keep them" in refused["gradcam"]
+    assert all(total == len(items) - left_out for *_, total in methods.values()) and len(heads) == 16
