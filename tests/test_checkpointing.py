@@ -202,7 +202,7 @@ def test_a_fuser_without_blocks_is_left_out_unless_named():
     model = VLFuseModel.from_config(reader_config("map_program"), ["no", "yes"], ["is a circle red"])
     assert model.set_grad_checkpointing(True) == ["image", "text"]
     with pytest.raises(ValueError, match="^activation checkpointing: fuser 'map_program' has no blocks to checkpoint "
-                                         r"\(fusion_stack and cell_steps have\): leave fuser out of the parts$"):
+                                         r"\(fusion_stack, cell_steps and cell_moves have\): leave fuser out of the parts$"):
         model.set_grad_checkpointing(True, ["fuser"])
 
 

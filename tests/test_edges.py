@@ -98,7 +98,7 @@ def test_the_base_datamodule_is_refused(tmp_path, monkeypatch, capsys):
          "model.architecture.mlp_type is an option of the model's parts now: model.architecture.fuser.mlp"),
         ("--model.architecture.readout=pool",
          "model.architecture.readout is an option of the model's parts now: model.architecture.head.type (pool: pooled; "
-         "bilinear), or fuser.type map_program or cell_steps with head.type existence"),
+         "bilinear), or fuser.type map_program, cell_steps or cell_moves with head.type existence"),
     ],
     ids=["fusion_depth", "mlp_type", "readout"],
 )
@@ -113,7 +113,7 @@ def test_a_flat_model_option_of_before_the_parts_says_where_it_went(tmp_path, ca
     [
         ("--model.architecture.fuser.depth=0", "fuser.depth must be between 1 and 1024, got 0"),
         ('--model.architecture.fuser={"type": "nope"}',
-         "fuser.type must be one of ['cell_steps', 'fusion_stack', 'map_program'], got 'nope'"),
+         "fuser.type must be one of ['cell_moves', 'cell_steps', 'fusion_stack', 'map_program'], got 'nope'"),
     ],
     ids=["depth 0", "unknown type"],
 )
