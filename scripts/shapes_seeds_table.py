@@ -59,7 +59,7 @@ def summarise(run: Path, counts: Counter) -> dict[str, object]:
     took_off = next((int(row["epoch"]) + 1 for row in rows if row["val/acc"] > TAKE_OFF), None)
     after_8 = next((row["val/acc"] for row in rows if int(row["epoch"]) + 1 == 8), None)
     return {
-        "run": run.name, "best": best["val/acc"], "best epoch": int(best["epoch"]) + 1, "last": rows[-1]["val/acc"],
+        "run": f"{run.parent.name}/{run.resolve().name}" if run.name == "latest" else run.name, "best": best["val/acc"], "best epoch": int(best["epoch"]) + 1, "last": rows[-1]["val/acc"],
         "epochs": len(rows), "took off": took_off, "after 8": after_8,
         "depth": depth_accuracy(best, counts), "double move": best.get(f"val_group/{DOUBLE_MOVE}"),
     }

@@ -48,3 +48,9 @@ def test_the_table_gives_every_run_then_the_median_and_the_worst(tmp_path):
 def test_a_folder_without_a_log_is_named(tmp_path):
     with pytest.raises(SystemExit, match="empty: no metrics.csv"):
         seeds.epochs_of(tmp_path / "empty")
+
+
+def test_a_latest_link_is_named_by_its_run_folder_and_version(tmp_path):
+    write_run(tmp_path / "shapes_fusion", [0.6, 0.9], [(1, 1, 1)] * 2)
+    (tmp_path / "shapes_fusion" / "latest").symlink_to("version_0")
+    assert seeds.summarise(tmp_path / "shapes_fusion" / "latest", COUNTS)["run"] == "shapes_fusion/version_0"
