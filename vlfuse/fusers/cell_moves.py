@@ -14,14 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlfuse.fusers.base import FUSERS
-from vlfuse.fusers.cell_steps import CellStepsConfig, CellStepsFuser
+from vlfuse.fusers.cell_steps import NEIGHBOURHOOD, CellStepsConfig, CellStepsFuser
 
-NEIGHBOURHOOD = 3
-"""The shifts a word can make: every offset of a ``3 x 3`` neighbourhood, the cell itself included."""
 STAY_BIAS = 4.0
 """Initial logit of "no shift" (the others start at 0): 0.87 of the kept set stays where it is, so
 the reader starts as the cell-steps reader does, and each one-cell shift gets 0.016, enough
@@ -73,9 +70,7 @@ class CellMovesFuser(CellStepsFuser):
 
     def _kept(self, log_m: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
         """``log S_w(m)`` ``(Bq, cells)`` from ``log m`` ``(Bq, cells)`` and the word ``(Bq, width)``."""
-        grid = log_m.reshape(log_m.shape[0], 1, *self.grid_size)  # (Bq, 1, rows, cols)
-        beyond_edge = torch.finfo(log_m.dtype).min  # log 0, finite so that gradients stay finite
-        padded = F.pad(grid, (1, 1, 1, 1), value=beyond_edge)
-        neighbours = F.unfold(padded, NEIGHBOURHOOD).transpose(1, 2)  # (Bq, cells, 9)
+        log_0 = torch.finfo(log_m.dtype).min  # beyond the edge; finite so that gradients stay finite
+        neighbours = self._neighbourhood(log_m, beyond_edge=log_0)  # (Bq, cells, 9)
         log_shift = self.shift(word).log_softmax(-1)  # (Bq, 9)
         return torch.logsumexp(neighbours + log_shift[:, None, :], dim=-1)

@@ -15,6 +15,8 @@ from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig
 from vlfuse.parts import EVIDENCE, MAX_HEADS, check_range
 from vlfuse.layers import CrossAttention, FusionBlock
 
+NEIGHBOURHOOD = 3
+"""A cell's neighbourhood is the ``3 x 3`` square around it, the cell itself included."""
 GATE_BIAS = -1.0
 """Initial bias of the update gate (a gate of 0.27). What a question needs learnt first is a
 product of two words' updates (the last word sets the set, an earlier one intersects it), whose
@@ -98,7 +100,7 @@ class CellStepsFuser(Fuser):
         self.grid_size = tuple(grid_size)
         self.word_norm = nn.LayerNorm(text_width)
         self.cell_position = nn.Parameter(torch.randn(1, grid_size[0] * grid_size[1], d) * 0.02)
-        self.state_in = nn.Linear(9, d)  # the cell's and its eight neighbours' m
+        self.state_in = nn.Linear(NEIGHBOURHOOD * NEIGHBOURHOOD, d)  # the cell's and its eight neighbours' m
         self.step = FusionBlock(d, self.heads, mlp_ratio=config.mlp_ratio, dropout=config.dropout,
                                 self_attention=True, gated=False, output_gate=config.output_gate,
                                 mlp_layer=config.mlp)
@@ -133,10 +135,13 @@ class CellStepsFuser(Fuser):
         """The patch tokens ``(Bi, cells, dim)``, without prefix tokens."""
         return image_tokens[:, num_prefix_tokens:]
 
-    def _neighbourhood(self, m: torch.Tensor) -> torch.Tensor:
-        """``(B, cells)`` -> each cell's 3x3 neighbourhood of ``m`` ``(B, cells, 9)``, zero off the grid."""
-        grid = m.reshape(m.shape[0], 1, *self.grid_size)  # (B, 1, rows, cols)
-        return F.unfold(grid, 3, padding=1).transpose(1, 2)
+    def _neighbourhood(self, values: torch.Tensor, beyond_edge: float = 0.0) -> torch.Tensor:
+        """``(B, cells)`` -> each cell's 3x3 neighbourhood of ``values`` ``(B, cells, 9)``, row-major,
+        ``beyond_edge`` off the grid."""
+        grid = values.reshape(values.shape[0], 1, *self.grid_size)  # (B, 1, rows, cols)
+        half = NEIGHBOURHOOD // 2
+        padded = F.pad(grid, (half, half, half, half), value=beyond_edge)
+        return F.unfold(padded, NEIGHBOURHOOD).transpose(1, 2)
 
     def _kept(self, log_m: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
         """What the update gate keeps of the set, ``log m`` ``(Bq, cells)``: the set as it is."""
