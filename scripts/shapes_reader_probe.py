@@ -136,12 +136,13 @@ def query_sets(query) -> list[tuple[int, object]]:
     return sets[::-1] + [(1, ("and", first, second))]
 
 
-def set_tokens(query) -> list[tuple[int, object]]:
-    """:func:`query_sets` with the index of the token whose reading completes each set: the first
-    token of the set's English (``[CLS]`` is token 0; the reader reads last first)."""
+def set_tokens(query) -> list[tuple[int, int, object]]:
+    """:func:`query_sets` as ``(query word index, token index, set expression)``: the token is the one
+    whose reading completes the set, the first of the set's English (``[CLS]`` is token 0; the
+    reader reads last first)."""
     phrases = english_phrases(query)
     first_token = 1 + np.cumsum([0] + [len(phrase.split()) for phrase in phrases])  # (words + 1,)
-    return [(int(first_token[word]), expr) for word, expr in query_sets(query)]
+    return [(word, int(first_token[word]), expr) for word, expr in query_sets(query)]
 
 
 def _denoted(expr, scene) -> np.ndarray:
@@ -168,7 +169,7 @@ def set_states(model: VLFuseModel, split: ShapesSplit, scenes, batch: int = 256)
             if mask[start + i].sum() != words + 2:
                 raise ValueError(f"the tokenizer does not read {text_query!r} one token per word")
             pattern = question_pattern(text_query).split()
-            for (word, expr), (token, _) in zip(query_sets(query), set_tokens(query)):
+            for word, token, expr in set_tokens(query):
                 denoted = torch.from_numpy(_denoted(expr, scene).reshape(-1))
                 m = states[i, token]
                 entry = sums[(" ".join(pattern), " ".join(pattern[word:]))]

@@ -30,12 +30,12 @@ def shapes_reader(fuser: str) -> VLFuseModel:
 def test_the_sets_a_double_move_passes_through_in_reading_order_and_the_tokens_that_complete_them():
     query = parse_query("(is green (right_of (right_of green)))")
     sets = probe.set_tokens(query)
-    assert [expr for _, expr in sets] == [
+    assert [expr for _, _, expr in sets] == [
         "green", ("right_of", "green"), ("right_of", ("right_of", "green")), ("and", "green", query[2]),
     ]
     tokens = ["[CLS]"] + to_english(query).split() + ["[SEP]"]
-    assert [tokens[index] for index, _ in sets] == ["a", "right", "right", "a"]  # "... right of a green shape"
-    assert [index for index, _ in sets] == [9, 7, 5, 2]
+    assert [tokens[index] for _, index, _ in sets] == ["a", "right", "right", "a"]  # "... right of a green shape"
+    assert [index for _, index, _ in sets] == [9, 7, 5, 2]
 
 
 def test_a_question_without_a_relation_passes_through_its_word_and_the_intersection():
@@ -59,7 +59,7 @@ def test_a_reader_that_holds_exactly_each_denoted_set_scores_1_on_it_and_0_elsew
     def true_states(text, mask, patches, image_index=None):
         states = torch.full((len(patches), mask.shape[1], 9), 0.5)
         for row, text_query in enumerate(split.queries):
-            for token, expr in probe.set_tokens(parse_query(text_query)):
+            for _, token, expr in probe.set_tokens(parse_query(text_query)):
                 states[row, token] = torch.from_numpy(probe._denoted(expr, split.scenes[row]).reshape(-1)).float()
         return states
 
