@@ -20,6 +20,7 @@ random: the expected hit rate is the share of the patches that are the object's)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from _common import add_model_argument, load_model
 from PIL import Image
 
 from vlfuse import runtime
-from vlfuse.analysis.explain import METHODS, explain_pixels
+from vlfuse.analysis.explain import METHODS, MethodRefused, explain_pixels
 from vlfuse.analysis.head_roles import HeadRules
 from vlfuse.analysis.head_stats import object_cells
 from vlfuse.analysis.tables import markdown_table
@@ -127,22 +128,42 @@ def usable_runs(model, item: Item) -> tuple[list[tuple[str, int | None]], dict[s
         chosen = list(layers) if METHODS[name].per_layer else [None]
         try:
             explain_pixels(model, pixels, item.question, name, layer=chosen[0])
-        except ValueError as err:
+        except MethodRefused as err:
             refused[name] = str(err)
             continue
         runs += [(name, layer) for layer in chosen]
     return runs, refused
 
 
-def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict, int, dict[str, str]]:
-    """Hit counts per method and layer, per head, and of the baselines, each ``{name: [hits by each of
-    SHARES, questions]}``, the number of questions left out because their object has no patch, and
-    the methods the model refuses, with why."""
+@dataclass
+class Scores:
+    """What :func:`score` counts; each count is ``[hits by each of SHARES, questions]``.
+
+    Attributes:
+        methods: ``{method (and layer): counts}``.
+        heads: ``{method (and layer) and head: counts}`` of each head's map.
+        baselines: ``{baseline: counts}``.
+        by_answer: ``{method (and layer) -> the model's answer: counts}``.
+        left_out: questions left out because their object has no patch.
+        refused: ``{method: why}`` for the methods the model refuses.
+    """
+
+    methods: dict[str, list]
+    heads: dict[str, list]
+    baselines: dict[str, list]
+    by_answer: dict[str, list]
+    left_out: int
+    refused: dict[str, str]
+
+
+def score(model, items: list[Item], seed: int) -> Scores:
+    """The hit counts of every method the model takes, of each head and of the baselines."""
     grid = tuple(model.image_encoder.grid_size)
     rng = np.random.default_rng(seed)
     runs, refused = usable_runs(model, items[0])
     methods = {f"{name}" + ("" if layer is None else f" layer {layer}"): [0] * (len(SHARES) + 1) for name, layer in runs}
     heads: dict[str, list] = {}
+    by_answer: dict[str, list] = {}
     baselines = {name: [0] * (len(SHARES) + 1) for name in ("random map", "uniform map (expected)", "centre patch")}
     left_out = 0
 
@@ -160,16 +181,18 @@ def score(model, items: list[Item], seed: int) -> tuple[dict, dict, dict, int, d
         for (name, layer), key in zip(runs, methods):
             explanation = explain_pixels(model, pixels, item.question, name, layer=layer)
             count(methods[key], lambda region: hit(explanation.patch_map(), region))
-            if layer is not None:
+            count(by_answer.setdefault(f"{key} -> {explanation.answer}", [0] * (len(SHARES) + 1)),
+                  lambda region: hit(explanation.patch_map(), region))
+            if len(explanation.heads) > 1:
                 per_head = explanation.token_patch_maps().mean(1)  # (H, rows, cols): each head's question map
                 for label, head_map in zip(explanation.heads, per_head):
-                    count(heads.setdefault(f"{name} layer {layer} {label}", [0] * (len(SHARES) + 1)),
+                    count(heads.setdefault(f"{key} {label}", [0] * (len(SHARES) + 1)),
                           lambda region: hit(head_map, region))
         random_map = rng.random(grid)
         count(baselines["random map"], lambda region: hit(random_map, region))
         count(baselines["uniform map (expected)"], lambda region: float(region.mean()))
         count(baselines["centre patch"], lambda region: bool(region[grid[0] // 2, grid[1] // 2]))
-    return methods, heads, baselines, left_out, refused
+    return Scores(methods, heads, baselines, dict(sorted(by_answer.items())), left_out, refused)
 
 
 def rates(counts: list) -> list[str]:
@@ -177,15 +200,18 @@ def rates(counts: list) -> list[str]:
     return [f"{hits / counts[-1]:.4f}" if counts[-1] else "nan" for hits in counts[:-1]]
 
 
-def report(methods: dict, heads: dict, baselines: dict) -> str:
-    """The markdown tables: methods and baselines, then the best, worst and median head of each layer
-    (by the first of SHARES)."""
+def report(scores: Scores, by_answer: bool = False) -> str:
+    """The markdown tables: methods and baselines, then (``by_answer``) each method's hits by the
+    model's answer, then the best, worst and median head of each layer (by the first of SHARES)."""
     columns = [f"hit rate: {name}" for name in SHARES]
-    rows = [[name, *rates(c), str(c[-1])] for name, c in methods.items()]
-    rows += [[f"baseline: {name}", *rates(c), str(c[-1])] for name, c in baselines.items()]
+    rows = [[name, *rates(c), str(c[-1])] for name, c in scores.methods.items()]
+    rows += [[f"baseline: {name}", *rates(c), str(c[-1])] for name, c in scores.baselines.items()]
     lines = [markdown_table(["method", *columns, "questions"], rows), ""]
+    if by_answer:
+        rows = [[name, *rates(c), str(c[-1])] for name, c in scores.by_answer.items()]
+        lines += [markdown_table(["method -> the model's answer", *columns, "questions"], rows), ""]
     by_layer: dict[str, list[tuple[float, str]]] = {}
-    for key, counts in heads.items():
+    for key, counts in scores.heads.items():
         layer_key, head = key.rsplit(" head ", 1)
         by_layer.setdefault(layer_key, []).append((counts[0] / counts[-1], head))
     head_rows = [[layer_key, f"head {max(v)[1]}: {max(v)[0]:.4f}", f"head {min(v)[1]}: {min(v)[0]:.4f}",
@@ -203,6 +229,7 @@ def main() -> None:
                         help="the SHAPES files (default $VLFUSE_SHAPES_DIR, then ../shared/data/shapes)")
     parser.add_argument("--limit-images", type=int, default=None, metavar="N", help="only the first N images (easy-VQA) or rows (SHAPES)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-map baseline (default 0)")
+    parser.add_argument("--by-answer", action="store_true", help="also each method's hit rate by the model's answer")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the counts as JSON here")
     args = parser.parse_args()
 
@@ -217,15 +244,14 @@ def main() -> None:
             raise SystemExit(f"error: --shapes-dir: {err}") from None
     if not items:
         raise SystemExit(f"error: --data {args.data}: no question about one object")
-    methods, heads, baselines, left_out, refused = score(model, items, args.seed)
-    print(report(methods, heads, baselines))
-    for name, why in refused.items():
+    scores = score(model, items, args.seed)
+    print(report(scores, args.by_answer))
+    for name, why in scores.refused.items():
         print(f"\n{name}: not scored, this model refuses it: {why}")
-    print(f"\n{len(items)} questions; {left_out} left out: their object has no patch")
+    print(f"\n{len(items)} questions; {scores.left_out} left out: their object has no patch")
     if args.json is not None:
-        args.json.write_text(json.dumps({"model": str(args.model), "data": args.data, "methods": methods, "heads": heads,
-                                         "baselines": baselines, "questions": len(items), "left_out": left_out,
-                                         "refused": refused}, indent=1))
+        args.json.write_text(json.dumps({"model": str(args.model), "data": args.data, **dataclasses.asdict(scores),
+                                         "questions": len(items)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlfuse.analysis.explain import METHODS, explain, weights_gradient
+from vlfuse.analysis.explain import METHODS, MethodRefused, explain, weights_gradient
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.layers import attention as attention_module
 from vlfuse.model import VLFuseModel
@@ -41,7 +41,10 @@ def image():
     return Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+FUSION_STACK_METHODS = [m for m in METHODS if m not in ("find_gradient", "reader_set")]  # those: the cell readers only
+
+
+@pytest.mark.parametrize("method", FUSION_STACK_METHODS)
 def test_each_method_gives_maps_per_head_and_token_and_a_question_map_that_sums_to_1(model, image, method):
     e = explain(model, image, QUESTION, method)
     assert e.method == method and e.answer in ANSWERS and 0 < e.probability <= 1
@@ -158,9 +161,12 @@ def test_the_command_writes_figures_maps_and_sidecar_and_prints_where(saved, tmp
     assert vlfuse_main(argv) == 0
     printed = capsys.readouterr()
     assert printed.out.startswith("answer: red (probability ")
-    pngs = [f"shape_{m}_question.png" for m in METHODS] + [f"shape_{m}_words.png" for m in METHODS if m != "input_gradient"]
+    pngs = [f"shape_{m}_question.png" for m in FUSION_STACK_METHODS]
+    pngs += [f"shape_{m}_words.png" for m in FUSION_STACK_METHODS if m != "input_gradient"]
     for name in pngs + ["shape.npz", "shape.json"]:
         assert (out / name).is_file() and str(out / name) in printed.err, name
+    assert "skipped find_gradient: method 'find_gradient' reads a cell reader" in printed.err
+    assert not (out / "shape_find_gradient_question.png").exists()
     assert f"wrote {len(pngs) + 2} files to {out}" in printed.err
     with np.load(out / "shape.npz") as maps:
         assert maps["gradcam_tokens"].shape == (HEADS, TOKENS, PREFIX + 16)
@@ -201,8 +207,10 @@ def test_pointing_scores_count_every_question_for_every_method_and_baseline(mode
     scene[8:24, 8:24] = (200, 30, 30)  # a red square on the centre 2x2 patches of the 4x4 grid, by both rules
     items = [pointing.Item(scene, q) for q in QUESTIONS]
     empty = pointing.Item(np.full((32, 32, 3), 255, dtype=np.uint8), QUESTIONS[0])
-    methods, heads, baselines, left_out, refused = pointing.score(model, items + [empty], seed=0)
-    assert left_out == 1 and refused == {}  # nothing to point at; the fusion stack takes every method
+    scores = pointing.score(model, items + [empty], seed=0)
+    methods, heads, baselines, left_out, refused = (scores.methods, scores.heads, scores.baselines, scores.left_out,
+                                                    scores.refused)
+    assert left_out == 1 and list(refused) == ["find_gradient", "reader_set"]  # nothing to point at; no cell reader
     assert set(methods) == {"attention layer 0", "attention layer 1", "gradcam layer 0", "gradcam layer 1",
                             "rollout", "input_gradient"}
     assert all(total == len(items) and 0 <= touch <= total and strict <= touch
@@ -210,7 +218,7 @@ def test_pointing_scores_count_every_question_for_every_method_and_baseline(mode
     assert len(heads) == 4 * HEADS
     assert baselines["uniform map (expected)"][:2] == pytest.approx([len(items) * 4 / 16] * 2)
     assert baselines["centre patch"] == [len(items)] * 3  # patch (2, 2) is the object's
-    assert "| baseline: random map |" in pointing.report(methods, heads, baselines)
+    assert "| baseline: random map |" in pointing.report(scores)
 
 
 def test_a_patch_touching_the_object_counts_by_the_first_rule_only():
@@ -344,7 +352,91 @@ def test_pointing_scores_a_shapes_cell_reader_by_the_methods_it_takes_and_says_w
     config.image.image_size, config.image.patch_size = 30, 10  # a 3x3 grid, one patch per SHAPES cell
     model = VLFuseModel.from_config(config, ["false", "true"], ["is a red shape above a circle"]).eval()
     items = list(pointing.shapes_items(SHARED / "data" / "shapes", 32))
-    methods, heads, baselines, left_out, refused = pointing.score(model, items, seed=0)
-    assert set(methods) == {"attention layer 0", "rollout", "input_gradient"}
+    scores = pointing.score(model, items, seed=0)
+    methods, heads, left_out, refused = scores.methods, scores.heads, scores.left_out, scores.refused
+    assert set(methods) == {"attention layer 0", "rollout", "input_gradient", "find_gradient", "reader_set"}
     assert list(refused) == ["gradcam"] and "fuser 'cell_moves' does not keep them" in refused["gradcam"]
-    assert all(total == len(items) - left_out for *_, total in methods.values()) and len(heads) == 16
+    assert all(total == len(items) - left_out for *_, total in methods.values())
+    assert len(heads) == 32 and sum(key.startswith("find_gradient find head") for key in heads) == 16
+    # each method's questions split by the model's answer, and the split adds up
+    for method, counts in methods.items():
+        parts = [c for key, c in scores.by_answer.items() if key.rsplit(" -> ", 1)[0] == method]
+        assert parts and all(key.rsplit(" -> ", 1)[1] in ("false", "true") for key in scores.by_answer)
+        assert [sum(column) for column in zip(*parts)] == counts
+    table = pointing.report(scores, by_answer=True)
+    assert "| method -> the model's answer |" in table and "| reader_set -> " in table
+
+
+def shapes_reader(fuser: str = "cell_moves") -> VLFuseModel:
+    torch.manual_seed(0)
+    config = reader_config(fuser)
+    config.image.image_size, config.image.patch_size = 30, 10  # a 3x3 grid, one patch per SHAPES cell
+    return VLFuseModel.from_config(config, ["false", "true"], ["is a red shape above a circle"]).eval()
+
+
+def test_a_method_asked_for_by_name_that_cannot_explain_the_model_says_why_and_which_fuser(model, saved, tmp_path, capsys):
+    image = Image.open(saved[1])
+    with pytest.raises(MethodRefused, match="reads a cell reader .* fuser 'fusion_stack' is not one"):
+        explain(model, image, QUESTION, "find_gradient")
+    argv = ["explain", "--model", str(saved[0]), "--image", str(saved[1]), "--question", QUESTION,
+            "--method", "gradcam", "find_gradient", "--output", str(tmp_path / "maps")]
+    assert vlfuse_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "method 'find_gradient' reads a cell reader" in err
+    assert not (tmp_path / "maps").exists()  # nothing written, not even gradcam's maps
+
+
+@pytest.mark.parametrize("fuser", ["cell_steps", "cell_moves"])
+def test_find_gradient_is_each_finds_score_times_the_positive_slope_of_the_answers_log_probability(fuser):
+    model = shapes_reader(fuser)
+    scene = np.random.default_rng(1).integers(0, 256, (30, 30, 3), dtype=np.uint8)
+    question = "is a red shape above a circle"
+    pixels = model.processor.image(scene)[None]
+    tokens = model.processor.tokenize([question])
+    mask = tokens["attention_mask"].bool()
+    with torch.no_grad():
+        patches = model.encode_images(pixels).features  # (1, 9, d)
+        text = model.encode_questions(tokens["input_ids"], mask.long())
+        scores = model.fuser.finds(text, patches)  # (1, T, 9, H)
+        evidence = model.fuser.read_finds(text, mask, patches, scores)
+        # read_finds with the reader's own finds is the reader
+        torch.testing.assert_close(evidence, model.fuser(text, mask, patches).output)
+    for answer in ("false", "true"):  # "false" too: its logit is the constant 0, its log-probability is not
+        e = explain(model, Image.fromarray(scene), question, "find_gradient", answer=answer)
+        chosen = model.answers.index(answer)
+        assert e.token_maps.shape == (16, mask.sum(), 9) and e.heads[3] == "find head 3"
+        assert e.layer is None and e.question_map.sum() == pytest.approx(1.0, abs=1e-5)
+        # the slope by finite differences, at the entry with the largest share
+        t, cell, h = np.unravel_index(np.argmax(e.token_maps.transpose(1, 2, 0)), (int(mask.sum()), 9, 16))
+        step = 1e-3
+
+        def log_p(delta: float) -> float:
+            moved = scores.clone()
+            moved[0, t, cell, h] += delta
+            with torch.no_grad():
+                logits = model.read_out(model.fuser.read_finds(text, mask, patches, moved), mask)[0].double()
+            return float(logits.log_softmax(-1)[chosen])
+
+        slope = (log_p(step) - log_p(-step)) / (2 * step)
+        share = float(scores[0, t, cell, h]) * slope
+        assert share > 0 and e.token_maps[h, t, cell] == pytest.approx(share, rel=2e-2)
+        assert (e.token_maps >= 0).all() and e.token_maps.max() > 0
+
+
+def test_reader_set_is_the_set_the_reader_holds_after_each_word_and_after_the_question():
+    model = shapes_reader()
+    scene = np.random.default_rng(2).integers(0, 256, (30, 30, 3), dtype=np.uint8)
+    question = "is a red shape above a circle"
+    e = explain(model, Image.fromarray(scene), question, "reader_set")
+    pixels = model.processor.image(scene)[None]
+    tokens = model.processor.tokenize([question])
+    mask = tokens["attention_mask"].bool()
+    with torch.no_grad():
+        text = model.encode_questions(tokens["input_ids"], mask.long())
+        states = model.fuser.states(text, mask, model.encode_images(pixels).features)[0]  # (Lt, 9)
+        evidence = model.fuser(text, mask, model.encode_images(pixels).features).output[0]
+    assert e.token_maps.shape == (1, mask.sum(), 9) and e.heads == ["reader_set (heads mixed)"]
+    np.testing.assert_allclose(e.token_maps[0], states[mask[0]].numpy(), atol=1e-6)
+    np.testing.assert_allclose(e.question_map, (states[0] / states[0].sum()).numpy(), atol=1e-6)
+    # the final set is what the answer is read from: its logsumexp of log m is the evidence
+    assert float(torch.logsumexp(states[0].log(), 0)) == pytest.approx(float(evidence), abs=1e-5)

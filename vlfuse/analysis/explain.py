@@ -1,4 +1,4 @@
-"""Why a model gave an answer: maps over the image of where the question looked, four ways.
+"""Why a model gave an answer: maps over the image of where the question looked, six ways.
 
 Every method works through the model's public stages (:meth:`~vlfuse.model.VLFuseModel.encode_images`,
 ``encode_questions``, ``fuse`` with ``weights_from``, ``read_out``); none patches a layer:
@@ -11,6 +11,10 @@ Every method works through the model's public stages (:meth:`~vlfuse.model.VLFus
   Zuidema 2020), each layer mixed half and half with the identity (the residual stream).
 - :class:`InputGradient` (``input_gradient``): ``|dy/dpixels|`` pooled onto the patch grid, a
   baseline that ignores attention (one map for the question: no heads, no tokens).
+- :class:`FindGradient` (``find_gradient``): for the SHAPES cell readers, which see the image only
+  through each word's finds: each find's share in the answer's log-probability, per find head.
+- :class:`ReaderSet` (``reader_set``): for the cell readers, the soft set they hold once each word
+  is read, and once the whole question is.
 
 The gradient with respect to the weights is read without hooks. A layer's output for question
 token ``q`` and head ``h`` is ``o[h, q] = sum_k A[h, q, k] V[h, k]`` with the values ``V`` in the
@@ -35,11 +39,17 @@ import torch
 import torch.nn.functional as F
 
 from vlfuse.analysis.attention_maps import overlay_figure, split_prefix
+from vlfuse.fusers import CellStepsFuser
 from vlfuse.layers import ProjectedContext
 from vlfuse.model import ImageContext, VLFuseModel
 
 RESIDUAL_SHARE = 0.5
 """In rollout, the share of a token's state that a layer keeps (the identity of ``0.5 A + 0.5 I``)."""
+
+
+class MethodRefused(ValueError):
+    """The explanation method cannot explain this model (its fuser lacks what the method reads);
+    the message says why and which methods can."""
 
 
 @dataclass
@@ -131,6 +141,13 @@ class ExplanationMethod:
     def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
         raise NotImplementedError
 
+    def head_labels(self, model: VLFuseModel, layer: int, rows: int) -> list[str]:
+        """Labels of the ``rows`` rows of the token maps :meth:`run` gives: a per-layer method's rows are
+        the layer's heads (original ids); any other method mixes them into one row."""
+        if self.per_layer:
+            return [f"head {h}" for h in model.fusion_head_ids[layer]]
+        return [f"{self.name} (heads mixed)"]
+
     @staticmethod
     def fused_logits(
         model: VLFuseModel, inputs: Prepared, context: ImageContext, layers: Sequence[int]
@@ -176,9 +193,9 @@ class AttentionGradient(ExplanationMethod):
             features = model.encode_images(inputs.pixels).features
         if not (isinstance(features, list) and len(features) == model.num_fusion_layers
                 and all(isinstance(kv, ProjectedContext) for kv in features)):
-            raise ValueError(
+            raise MethodRefused(
                 f"method 'gradcam' reads each attention layer's values from the image context; fuser "
-                f"{model.config.fuser.type!r} does not keep them (use 'attention', 'rollout' or 'input_gradient')"
+                f"{model.config.fuser.type!r} does not keep them (use another method)"
             )
         value = features[layer].value.detach().requires_grad_()  # (1, H, Li, hd)
         features = [dataclasses.replace(kv, value=value) if i == layer else kv for i, kv in enumerate(features)]
@@ -216,7 +233,7 @@ class Rollout(ExplanationMethod):
 
     def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
         if getattr(model.config.fuser, "self_attention", False):
-            raise ValueError("method 'rollout' needs a fuser without text self-attention: its weights are not returned")
+            raise MethodRefused("method 'rollout' needs a fuser without text self-attention: its weights are not returned")
         layers = list(range(model.num_fusion_layers))
         with torch.no_grad():
             logits, weights = self.fused_logits(model, inputs, model.encode_images(inputs.pixels), layers)
@@ -245,8 +262,71 @@ class InputGradient(ExplanationMethod):
         return MethodResult(None, torch.cat([prefix, patches]), logits.detach(), chosen)
 
 
+class FindGradient(ExplanationMethod):
+    """The SHAPES cell readers' answer traced to each word's finds: ``relu(s * d log p / ds)`` per
+    find head, word and cell, ``s`` the word's find score of the cell (:meth:`CellStepsFuser.finds`)
+    and ``p`` the probability of the chosen answer.
+
+    The readers see the image only through the finds, so this is the first-order share of each
+    find in the answer (gradient times input), kept where it speaks for the answer. It explains
+    ``log p`` rather than the logit because the existence head's "false" logit is the constant 0,
+    whose gradient is nothing. Only for ``cell_steps`` and ``cell_moves``.
+    """
+
+    name = "find_gradient"
+
+    def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        reader = cell_reader(model, self.name)
+        mask = inputs.text_mask
+        with torch.no_grad():
+            patches = model.encode_images(inputs.pixels).features  # (1, cells, d)
+            text = model.encode_questions(inputs.input_ids, mask.long())
+            scores = reader.finds(text, patches)  # (1, Lt, cells, H)
+        scores.requires_grad_()
+        with torch.enable_grad():
+            logits = model.read_out(reader.read_finds(text, mask, patches, scores), mask)[0]
+            chosen = _chosen(logits, inputs)
+            [grad] = torch.autograd.grad(logits.log_softmax(-1)[chosen], scores)
+        shares = (scores * grad).detach()[0][mask[0]].clamp_min(0)  # (T, cells, H)
+        maps = shares.permute(2, 0, 1)  # (H, T, cells)
+        return MethodResult(maps, maps.mean((0, 1)), logits.detach(), chosen)
+
+    def head_labels(self, model: VLFuseModel, layer: int, rows: int) -> list[str]:
+        return [f"find head {h}" for h in range(rows)]
+
+
+class ReaderSet(ExplanationMethod):
+    """The SHAPES cell readers' own answer: the soft set ``m`` they hold, the cells the question is
+    found true of. The question's map is the set once every word is read (whose existence is the
+    answer); word ``t``'s map is the set once word ``t`` is read (the words are read last first, so
+    an early word's map comes late in the reading). One "head". Only for ``cell_steps`` and ``cell_moves``.
+    """
+
+    name = "reader_set"
+
+    def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        reader = cell_reader(model, self.name)
+        mask = inputs.text_mask
+        with torch.no_grad():
+            patches = model.encode_images(inputs.pixels).features  # (1, cells, d)
+            text = model.encode_questions(inputs.input_ids, mask.long())
+            sets = reader.states(text, mask, patches)[0]  # (Lt, cells): row t once word t is read
+            logits = model.read_out(reader(text, mask, patches).output, mask)[0]
+        maps = sets[mask[0]][None]  # (1, T, cells)
+        return MethodResult(maps, sets[0], logits, _chosen(logits, inputs))
+
+
+def cell_reader(model: VLFuseModel, method: str) -> CellStepsFuser:
+    """The model's cell reader, or :class:`MethodRefused` naming ``method`` and the model's fuser."""
+    if not isinstance(model.fuser, CellStepsFuser):
+        raise MethodRefused(
+            f"method {method!r} reads a cell reader (cell_steps, cell_moves); fuser {model.config.fuser.type!r} is not one"
+        )
+    return model.fuser
+
+
 METHODS: dict[str, type[ExplanationMethod]] = {
-    method.name: method for method in (RawAttention, AttentionGradient, Rollout, InputGradient)
+    method.name: method for method in (RawAttention, AttentionGradient, Rollout, InputGradient, FindGradient, ReaderSet)
 }
 """The explanation methods by name."""
 
@@ -327,8 +407,7 @@ def explain_pixels(
     result = runner.run(model, inputs, chosen_layer)
     words = model.tokenizer.convert_ids_to_tokens(inputs.input_ids[0][inputs.text_mask[0]].tolist())
     question_map = distribution(result.question_map)
-    multi_head = result.token_maps is not None and runner.per_layer
-    heads = [f"head {h}" for h in model.fusion_head_ids[chosen_layer]] if multi_head else [f"{method} (heads mixed)"]
+    heads = runner.head_labels(model, chosen_layer, 1 if result.token_maps is None else result.token_maps.shape[0])
     return Explanation(
         method=method,
         answer=model.answers[result.answer_index],

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from vlfuse import model_io
-from vlfuse.analysis.explain import METHODS, draw_explanation, draw_maps, explain_pixels
+from vlfuse.analysis.explain import METHODS, MethodRefused, draw_explanation, draw_maps, explain_pixels
 from vlfuse.commands import SUBCOMMANDS
 from vlfuse.runtime import add_device_argument, add_threads_argument, set_threads
 
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--question", help="question about the image (an answering model); a caption model "
                         "explains each word of the caption it writes")
     parser.add_argument("--method", nargs="+", choices=list(METHODS), metavar="M",
-                        help=f"explanation methods, of {', '.join(METHODS)} (default all; a caption model: all but rollout)")
+                        help=f"explanation methods, of {', '.join(METHODS)} (default every method that explains the model; "
+                        "a caption model: all but rollout)")
     parser.add_argument("--answer", help="the answer to explain, one of the model's (default: the predicted one)")
     parser.add_argument("--layer", type=int, metavar="L",
                         help="fusion layer of 'attention' and 'gradcam' (default the last; -1 counts from the end)")
@@ -62,10 +63,14 @@ def main(argv: list[str]) -> int:
     model.require_fusion_heads("explain", args.model)
     pixels = model.processor.image(args.image)  # (3, S, S); a bad image is an error naming it
     stem = _stem(args.image)
-    explanations = [
-        explain_pixels(model, pixels[None], args.question, method, answer=args.answer, layer=args.layer)
-        for method in args.method or list(METHODS)
-    ]
+    explanations = []
+    for method in args.method or list(METHODS):
+        try:
+            explanations.append(explain_pixels(model, pixels[None], args.question, method, answer=args.answer, layer=args.layer))
+        except MethodRefused as refused:
+            if args.method:  # asked for by name: an error
+                raise
+            print(f"vlfuse explain: skipped {method}: {refused}", file=sys.stderr)
     written = []
     for e in explanations:
         written += draw_explanation(e, pixels, args.output, f"{stem}_{e.method}")

@@ -157,11 +157,12 @@ class CellStepsFuser(Fuser):
         return torch.einsum("bthe,bche->btch", q, self.find_keys(patches)) / q.shape[-1] ** 0.5
 
     def _read(
-        self, text: torch.Tensor, text_mask: torch.Tensor, patches: torch.Tensor, head_mask: torch.Tensor | None, draw: bool,
+        self, text: torch.Tensor, text_mask: torch.Tensor, patches: torch.Tensor, scores: torch.Tensor,
+        head_mask: torch.Tensor | None, draw: bool,
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
-        """Reads the words last first: yields ``(t, log m (Bq, cells) once word t is read, the block's
-        cross-attention weights (Bq, H, cells, Li) when ``draw``, else None)``."""
-        scores = self.finds(text, patches)  # (Bq, Lt, cells, H)
+        """Reads the words last first, each through its find ``scores`` ``(Bq, Lt, cells, H)`` (:meth:`finds`):
+        yields ``(t, log m (Bq, cells) once word t is read, the block's cross-attention weights
+        (Bq, H, cells, Li) when ``draw``, else None)``."""
         finds = self.find_out(scores)  # (Bq, Lt, cells, 2)
         log_m = patches.new_zeros(patches.shape[:2])  # (Bq, cells): log 1, every cell
         checkpointing = self.grad_checkpointing and self.training and torch.is_grad_enabled()
@@ -188,8 +189,16 @@ class CellStepsFuser(Fuser):
         (the words are read last first, so row 0 is the final set; padding repeats the set before it).
         The arguments are :meth:`forward`'s."""
         patches = image_context if image_index is None else image_context[image_index]  # (Bq, cells, d)
-        after = {t: log_m.exp() for t, log_m, _ in self._read(text, text_mask, patches, None, False)}
+        reading = self._read(text, text_mask, patches, self.finds(text, patches), None, False)
+        after = {t: log_m.exp() for t, log_m, _ in reading}
         return torch.stack([after[t] for t in range(text.shape[1])], dim=1)
+
+    def read_finds(self, text: torch.Tensor, text_mask: torch.Tensor, patches: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The evidence ``(Bq,)`` read with the given find ``scores`` ``(Bq, Lt, cells, H)`` in place of
+        :meth:`finds` ``(text, patches)`` (``patches`` ``(Bq, cells, d)``, one image per question): the
+        answer as a function of what each word found, for gradients with respect to the finds."""
+        *_, (_, log_m, _) = self._read(text, text_mask, patches, scores, None, False)
+        return torch.logsumexp(log_m, dim=1)
 
     def forward(
         self,
@@ -205,7 +214,7 @@ class CellStepsFuser(Fuser):
         draw = 0 in set(weights_from)
         patches = image_context if image_index is None else image_context[image_index]  # (Bq, cells, d)
         drawn = []
-        for t, log_m, weights in self._read(text, text_mask, patches, head_mask, draw):
+        for t, log_m, weights in self._read(text, text_mask, patches, self.finds(text, patches), head_mask, draw):
             if draw:
                 drawn.append(weights.mean(2) * text_mask[:, t, None, None])  # (Bq, H, Li), 0 at padding
         attentions = {0: torch.stack(drawn[::-1], dim=2)} if draw else {}  # (Bq, H, Lt, Li)
