@@ -4,7 +4,8 @@ the probes that explained why runs stalled or did not compose (docs/results.md, 
 - ``finds``: for each colour and shape word, how well the word's find picks the cells that hold
   it: the area under the ROC curve of its best head's scores (and of the mean head's);
 - ``keys``: for each head, a linear probe of its find key (after the QK-norm): does it still tell
-  each cell's shape and colour? A stalled run's heads had all turned to colour;
+  each cell's shape and colour? A stalled run's heads had all turned to colour; the same probe of
+  the patch tokens the keys are projected from says whether the image encoder or the projection lost it;
 - ``shifts`` (``cell_moves`` only): where each relation word moves the kept set;
 - ``states``: for each question pattern, the soft set once each part of the question is read
   (``R1 C1``: "right of a green shape"), against the cells that part denotes: the mean of ``m``
@@ -110,6 +111,14 @@ def key_probes(model: VLFuseModel, patches: torch.Tensor, scenes) -> list[tuple[
         cells = cell_features(keys[:, :, h], tuple(model.fuser.grid_size))  # (N * 9, dh)
         out.append((probe_accuracy(cells, shapes), probe_accuracy(cells, colours)))
     return out
+
+
+def token_probe(model: VLFuseModel, patches: torch.Tensor, scenes) -> tuple[float, float]:
+    """Held-out accuracy of a linear probe of the patch tokens for each cell's (shape, colour): what
+    the keys could tell, before the key projection."""
+    colours, shapes = cell_labels(scenes)
+    cells = cell_features(patches, tuple(model.fuser.grid_size))  # (N * 9, d)
+    return probe_accuracy(cells, shapes), probe_accuracy(cells, colours)
 
 
 def relation_shifts(model: VLFuseModel) -> dict[str, tuple[tuple[int, int], float, float]]:
@@ -218,6 +227,8 @@ def main() -> None:
             print(f"  {word:9s} {best:.3f} (head {head})")
     if "keys" in args.parts:
         print("keys: head, a linear probe of its find key for the cell's shape / colour (held out)")
+        shape, colour = token_probe(model, patches, scenes)
+        print(f"  patch tokens (what every key is projected from)  shape {shape:.1%}  colour {colour:.1%}")
         for head, (shape, colour) in enumerate(key_probes(model, patches, scenes)):
             print(f"  head {head:2d}  shape {shape:.1%}  colour {colour:.1%}")
     if "shifts" in args.parts:

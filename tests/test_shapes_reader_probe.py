@@ -84,3 +84,5 @@ def test_the_command_probes_a_saved_cell_moves_model(tmp_path, one_thread):
     step, weight, stay = right.split(None, 1)[1].rsplit(None, 2)
     assert step == "(0, 0)" and weight == stay and float(stay) > 0.8  # untrained: the stay bias holds most of the kept set
     assert sum(line.startswith("  head ") for line in out.splitlines()) == 16  # the reader's 16 find heads
+    tokens = next(line for line in out.splitlines() if line.startswith("  patch tokens"))
+    assert 0 < float(tokens.split("shape ")[1].split("%")[0]) <= 100 and "colour " in tokens
