@@ -276,11 +276,9 @@ class FindGradient(ExplanationMethod):
     name = "find_gradient"
 
     def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
-        reader = cell_reader(model, self.name)
+        reader, text, patches = read_by_cells(model, inputs, self.name)
         mask = inputs.text_mask
         with torch.no_grad():
-            patches = model.encode_images(inputs.pixels).features  # (1, cells, d)
-            text = model.encode_questions(inputs.input_ids, mask.long())
             scores = reader.finds(text, patches)  # (1, Lt, cells, H)
         scores.requires_grad_()
         with torch.enable_grad():
@@ -305,24 +303,26 @@ class ReaderSet(ExplanationMethod):
     name = "reader_set"
 
     def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
-        reader = cell_reader(model, self.name)
+        reader, text, patches = read_by_cells(model, inputs, self.name)
         mask = inputs.text_mask
         with torch.no_grad():
-            patches = model.encode_images(inputs.pixels).features  # (1, cells, d)
-            text = model.encode_questions(inputs.input_ids, mask.long())
             sets = reader.states(text, mask, patches)[0]  # (Lt, cells): row t once word t is read
             logits = model.read_out(reader(text, mask, patches).output, mask)[0]
         maps = sets[mask[0]][None]  # (1, T, cells)
         return MethodResult(maps, sets[0], logits, _chosen(logits, inputs))
 
 
-def cell_reader(model: VLFuseModel, method: str) -> CellStepsFuser:
-    """The model's cell reader, or :class:`MethodRefused` naming ``method`` and the model's fuser."""
+def read_by_cells(model: VLFuseModel, inputs: Prepared, method: str) -> tuple[CellStepsFuser, torch.Tensor, torch.Tensor]:
+    """The model's cell reader with what it reads, the words ``(1, Lt, width)`` and the patches
+    ``(1, cells, d)``; :class:`MethodRefused` naming ``method`` and the fuser when it has no cell reader."""
     if not isinstance(model.fuser, CellStepsFuser):
         raise MethodRefused(
             f"method {method!r} reads a cell reader (cell_steps, cell_moves); fuser {model.config.fuser.type!r} is not one"
         )
-    return model.fuser
+    with torch.no_grad():
+        patches = model.encode_images(inputs.pixels).features
+        text = model.encode_questions(inputs.input_ids, inputs.text_mask.long())
+    return model.fuser, text, patches
 
 
 METHODS: dict[str, type[ExplanationMethod]] = {
