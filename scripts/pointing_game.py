@@ -180,9 +180,10 @@ def score(model, items: list[Item], seed: int) -> Scores:
             continue
         for (name, layer), key in zip(runs, methods):
             explanation = explain_pixels(model, pixels, item.question, name, layer=layer)
-            count(methods[key], lambda region: hit(explanation.patch_map(), region))
+            patch_map = explanation.patch_map()
+            count(methods[key], lambda region: hit(patch_map, region))
             count(by_answer.setdefault(f"{key} -> {explanation.answer}", [0] * (len(SHARES) + 1)),
-                  lambda region: hit(explanation.patch_map(), region))
+                  lambda region: hit(patch_map, region))
             if len(explanation.heads) > 1:
                 per_head = explanation.token_patch_maps().mean(1)  # (H, rows, cols): each head's question map
                 for label, head_map in zip(explanation.heads, per_head):

@@ -49,7 +49,7 @@ RESIDUAL_SHARE = 0.5
 
 class MethodRefused(ValueError):
     """The explanation method cannot explain this model (its fuser lacks what the method reads);
-    the message says why and which methods can."""
+    the message names the method and says why."""
 
 
 @dataclass
