@@ -7,9 +7,10 @@ import sys
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import BertConfig, BertModel
+from transformers import BertConfig, BertModel, DistilBertConfig, DistilBertModel
 
-from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, TextEncoderConfig, build_word_tokenizer
+from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, TextEncoder, TextEncoderConfig, build_word_tokenizer
+from vlfuse.encoders.text import layer_stack
 from vlfuse.model import VLFuseModel
 
 from conftest import COLOUR_ANSWERS, load_script, logits, tiny_config, toy_batch
@@ -87,8 +88,9 @@ def test_lr_ratios_set_the_rate_of_the_adapters(pretrained):
             assert id(param) not in rates, name
 
 
-def test_a_saved_model_has_its_adapters_merged_and_answers_the_same_without_peft(pretrained, tmp_path, monkeypatch, one_thread):
-    model, batch = lora_model(pretrained, image_adapter={"type": "lora", "rank": 2, "target_modules": ["qkv", "fc1"]})
+@pytest.mark.parametrize("text_adapter", [LORA, {**LORA, "layers": [1]}], ids=["every layer", "layer 1, layer 0 cached"])
+def test_a_saved_model_has_its_adapters_merged_and_answers_the_same_without_peft(pretrained, text_adapter, tmp_path, monkeypatch, one_thread):
+    model, batch = lora_model(pretrained, text_adapter, image_adapter={"type": "lora", "rank": 2, "target_modules": ["qkv", "fc1"]})
     train_steps(model, batch)
     expected = logits(model, batch).detach()
     saved = model.save_pretrained(tmp_path / "model")
@@ -164,3 +166,68 @@ def test_the_benchmark_table_sets_each_seeds_wall_clock_against_full_fine_tuning
     assert "| lora | 0 | 98.00% | 95.00% | 5 min 00 s | 0.50 |" in table
     assert "| lora | 1 | 99.00% | 90.00% | 6 min 40 s | 0.80 |" in table
     assert "| lora | 2 | 98.50% / 98.00% | 92.50% / 90.00% | 0.65 / 0.80 |" in table
+
+
+def no_dropout(module: torch.nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
+
+def test_the_layers_below_the_adapted_ones_run_once_per_question_and_give_what_the_whole_encoder_gives(pretrained, one_thread):
+    model, batch = lora_model(pretrained, text_adapter={**LORA, "layers": [1]})
+    encoder = model.text_encoder
+    assert encoder.frozen_layers == 1 and encoder.cache is not None
+    model.train()
+    embeddings, layers = layer_stack(encoder.model, "text.adapter.layers")
+    assert not embeddings.training and not layers[0].training and layers[1].training
+    assert not any(name.startswith(("_embeddings", "_layers")) for name in encoder.state_dict())
+    no_dropout(encoder)
+    inputs = model.processor.batch(batch)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    trained = encoder(ids, mask)
+    distinct = len({tuple(row[keep].tolist()) for row, keep in zip(ids, mask.bool())})
+    assert (encoder.cache.misses, len(encoder.cache)) == (distinct, distinct)
+    again = encoder(ids, mask)
+    assert encoder.cache.misses == distinct and encoder.cache.hits == 2 * len(ids) - distinct
+    model.eval()
+    whole = encoder(ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(trained[real], whole[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(again[real], whole[real], atol=1e-5, rtol=1e-5)
+
+
+def test_with_the_lower_layers_cached_the_gradient_still_reaches_the_adapters_and_a_step_lowers_the_loss(pretrained, one_thread):
+    model, batch = lora_model(pretrained, text_adapter={**LORA, "layers": [1]})
+    model.train()
+    loss = torch.nn.functional.cross_entropy(logits(model, batch), batch["labels"])
+    loss.backward()
+    grads = {n: p.grad for n, p in model.text_encoder.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for n, g in grads.items() if ".lora_A." in n or ".lora_B." in n)
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if ".lora_B." in n)
+    losses = []
+    optimizer = optimizer_of(model, {"text_encoder": 1.0})
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(logits(model, batch), batch["labels"])
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("adapter, cache_features", [(LORA, True), ({**LORA, "layers": [0, 1]}, True), ({**LORA, "layers": [1]}, False)])
+def test_nothing_is_cached_when_every_layer_is_adapted_or_caching_is_off(pretrained, adapter, cache_features):
+    text = TextEncoderConfig(name=pretrained["text"], max_length=16, adapter=adapter, cache_features=cache_features)
+    encoder = TextEncoder(text)
+    assert encoder.frozen_layers == 0 and encoder.cache is None
+    assert all(m.training for m in encoder.model.modules())
+
+
+def test_caching_the_lower_layers_of_an_encoder_that_is_not_bert_like_is_an_error_naming_the_option(tmp_path):
+    config = DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64, vocab_size=50, max_position_embeddings=32)
+    DistilBertModel(config).save_pretrained(tmp_path / "distil")
+    text = TextEncoderConfig(name=str(tmp_path / "distil"), adapter={**LORA, "target_modules": ["q_lin", "v_lin"], "layers": [1]})
+    with pytest.raises(ValueError, match=r"text\.adapter\.layers: caching .* BERT-like .* not DistilBertModel; set text\.cache_features false"):
+        TextEncoder(text)
+    assert TextEncoder(dataclasses.replace(text, cache_features=False)).cache is None

@@ -33,6 +33,11 @@ class AdapterConfig(PartConfig):
         """``module`` with the adapter added, only the adapter's weights trainable; errors name ``where``."""
         raise NotImplementedError
 
+    @property
+    def first_adapted_layer(self) -> int:
+        """The lowest layer (block) the adapter changes: the layers below it stay as pretrained."""
+        return 0
+
 
 ADAPTERS: Registry[AdapterConfig] = Registry("adapter", default="lora")
 """The adapters, by ``type``."""
@@ -76,6 +81,10 @@ class LoraAdapterConfig(AdapterConfig):
                 raise ValueError("adapter.layers must name at least one layer (or be left out: all layers)")
             for layer in self.layers:
                 check_range("adapter.layers", layer, 0, MAX_LAYERS - 1)
+
+    @property
+    def first_adapted_layer(self) -> int:
+        return 0 if self.layers is None else min(self.layers)
 
     def apply(self, module: nn.Module, where: str) -> nn.Module:
         """``module`` wrapped by ``peft.get_peft_model``: its weights frozen, LoRA weights added where

@@ -7,7 +7,9 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
+from transformers.masking_utils import create_bidirectional_mask
 
 from vlfuse.encoders.adapters import AdaptableEncoder, AdapterConfig, parse_adapter
 from vlfuse.encoders.cache import FeatureCache
@@ -33,7 +35,9 @@ class TextEncoderConfig:
         max_length: longest question in tokens; longer ones are truncated.
         freeze: keep the encoder's weights fixed during training (it then runs in eval mode).
         cache_features: with ``freeze``, keep the encoder's output for each distinct question in
-            memory while the model trains (see :class:`~vlfuse.encoders.cache.FeatureCache`).
+            memory while the model trains (see :class:`~vlfuse.encoders.cache.FeatureCache`); with
+            an ``adapter`` on the upper layers only, keep the output of the layers below them,
+            which then run in eval mode (no dropout) as a frozen encoder does.
         adapter: fine-tune a pretrained encoder through an adapter instead of all its weights: a
             mapping with ``type`` (one of :data:`~vlfuse.encoders.adapters.ADAPTERS`: ``lora``) and
             its options, e.g. ``{type: lora, rank: 8}``; an
@@ -127,19 +131,28 @@ class TextEncoder(AdaptableEncoder):
         if getattr(self.model, "pooler", None) is not None:
             self.model.pooler = None  # unused: we pool after fusion
         self.add_adapter("text.adapter")
+        self.frozen_layers = config.adapter.first_adapted_layer if config.adapter is not None and config.cache_features else 0
+        """The layers below the adapted ones whose output is cached in training (0: none)."""
+        if self.frozen_layers:
+            layer_stack(self.model, "text.adapter.layers")  # a BERT-like encoder, or a ValueError now
         # Set the mode from the start (Lightning trains without calling train()): from_pretrained
         # returns the model in eval mode, which would fine-tune it without its dropout.
         if config.freeze:
             self.model.requires_grad_(False).eval()
         else:
-            self.model.train()
-        self.cache = FeatureCache() if config.freeze and config.cache_features else None
+            self.train()
+        self.cache = FeatureCache() if config.cache_features and (config.freeze or self.frozen_layers) else None
 
     def train(self, mode: bool = True) -> "TextEncoder":
-        """``self.training`` follows the model; a frozen transformer stays in eval mode (no dropout)."""
+        """``self.training`` follows the model; a frozen transformer, and the frozen layers whose
+        output is cached, stay in eval mode (no dropout)."""
         super().train(mode)
         if self.config.freeze:
             self.model.eval()
+        elif self.frozen_layers:
+            embeddings, layers = layer_stack(self.model, "text.adapter.layers")
+            embeddings.eval()
+            layers[: self.frozen_layers].eval()
         return self
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -167,22 +180,51 @@ class TextEncoder(AdaptableEncoder):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``input_ids``, ``attention_mask`` (B, L) -> hidden states (B, L, width).
 
-        In training, a frozen encoder with a cache runs only on questions it has not seen before;
-        their padding positions are then zeros (padding is masked everywhere downstream).
+        In training with a cache, the frozen encoder (or its frozen lower layers) runs only on
+        questions it has not seen before; their padding positions are then zeros (padding is
+        masked everywhere downstream); the adapted layers above run on every question.
         """
         if self.cache is None or not self.training:
             return self._encode(input_ids, attention_mask)
         real = attention_mask.bool()
         keys = [tuple(ids[keep].tolist()) for ids, keep in zip(input_ids, real)]
+        frozen = self._encode_frozen_layers if self.frozen_layers else self._encode
 
         def compute(new: list[int]) -> list[torch.Tensor]:
-            states = self._encode(input_ids[new], attention_mask[new])
+            states = frozen(input_ids[new], attention_mask[new])
             return [s[keep] for s, keep in zip(states, real[new])]  # each (real tokens, width)
 
         rows = self.cache.get(keys, compute)
         states = rows[0].new_zeros(*input_ids.shape, self.width)  # (B, L, width)
         states[real] = torch.cat(rows)
+        if self.frozen_layers:
+            states = self._run_layers(states, attention_mask, layer_stack(self.model, "text.adapter.layers")[1][self.frozen_layers :])
         return states
 
     def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def _encode_frozen_layers(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The output of the layers below the adapted ones (B, L, width): the input of the lowest adapted layer."""
+        embeddings, layers = layer_stack(self.model, "text.adapter.layers")
+        return self._run_layers(embeddings(input_ids=input_ids), attention_mask, layers[: self.frozen_layers])
+
+    def _run_layers(self, hidden: torch.Tensor, attention_mask: torch.Tensor, layers: nn.ModuleList) -> torch.Tensor:
+        """``hidden`` (B, L, width) through ``layers``, padding masked as the encoder masks it."""
+        mask = create_bidirectional_mask(config=self.model.config, inputs_embeds=hidden, attention_mask=attention_mask)
+        for layer in layers:
+            hidden = layer(hidden, mask)
+        return hidden
+
+
+def layer_stack(model: nn.Module, where: str) -> tuple[nn.Module, nn.ModuleList]:
+    """The embeddings and the list of layers of a BERT-like transformers encoder (``embeddings``,
+    ``encoder.layer``), through a ``peft`` wrapper; a ``ValueError`` naming ``where`` for any other."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings, layers = getattr(base, "embeddings", None), getattr(getattr(base, "encoder", None), "layer", None)
+    if not isinstance(embeddings, nn.Module) or not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{where}: caching the output of the layers below the adapted ones needs a BERT-like encoder "
+            f"(embeddings, encoder.layer), not {type(base).__name__}; set text.cache_features false"
+        )
+    return embeddings, layers
