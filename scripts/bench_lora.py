@@ -102,7 +102,7 @@ def bench_fits(args: argparse.Namespace) -> None:
     for seed in args.seeds:
         for variant, config in (("full", args.full), ("lora", args.lora)):
             root = args.out / f"{variant}_s{seed}"
-            seconds = fit(config, seed, root, extra)
+            seconds = fit(config, seed, root, extra + (shlex.split(args.lora_args) if variant == "lora" else []))
             run = dict(variant=variant, seed=seed, seconds=round(seconds, 1), test=read_curves(root)["test"],
                        reworded=reworded(root / "latest" / "model", args.rewording_seed, limit))
             print(json.dumps(run), flush=True)
@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--rewording-seed", type=int, default=0, help="seed of the reworded questions (default 0)")
     parser.add_argument("--fit-args", default="", help="overrides added to both fits, e.g. '--trainer.max_epochs=1 "
                         "--data.init_args.limit_images=16' for a smoke run")
+    parser.add_argument("--lora-args", default="", help="overrides added to the LoRA fit only, e.g. "
+                        "'--model.architecture.text.adapter.layers=[3,4,5]'")
     parser.add_argument("--steps", type=int, default=None, metavar="N", help="time N training steps of each variant instead of fitting")
     parser.add_argument("--layers", action="append", default=[], metavar="I,J,...",
                         help="with --steps: add the LoRA config adapting only these encoder layers (repeatable)")
