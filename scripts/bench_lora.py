@@ -100,9 +100,9 @@ def bench_fits(args: argparse.Namespace) -> None:
     limit = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("--data.init_args.limit_images=")), None)
     runs = []
     for seed in args.seeds:
-        for variant, config in (("full", args.full), ("lora", args.lora)):
+        for variant, config, overrides in (("full", args.full, extra), ("lora", args.lora, extra + shlex.split(args.lora_args))):
             root = args.out / f"{variant}_s{seed}"
-            seconds = fit(config, seed, root, extra + (shlex.split(args.lora_args) if variant == "lora" else []))
+            seconds = fit(config, seed, root, overrides)
             run = dict(variant=variant, seed=seed, seconds=round(seconds, 1), test=read_curves(root)["test"],
                        reworded=reworded(root / "latest" / "model", args.rewording_seed, limit))
             print(json.dumps(run), flush=True)
