@@ -47,6 +47,9 @@ What is measured:
   and that less the resident memory at its start. On CUDA, ``torch.cuda.max_memory_allocated``
   less the memory allocated at the start. Gradients stay allocated between steps
   (``zero_grad(set_to_none=False)``) so that they are part of the baseline;
+- page faults (checkpointing): the minor page faults of each variant's forward+backward and the CPU
+  seconds it spent in the kernel (``getrusage``): memory that malloc handed back to the system
+  between steps is faulted in, page by page, again;
 - FLOP/s: floating-point operations counted by ``torch.utils.flop_counter.FlopCounterMode``
   (matrix products and attention, including the CPU's flash-attention kernels, which it does not
   know by itself: :data:`CPU_ATTENTION_FLOPS`), for a whole step at batch 1 times B (model FLOPs:
@@ -400,6 +403,26 @@ def current_rss() -> int | None:
     return pages * resource.getpagesize()
 
 
+@dataclass(frozen=True)
+class Faults:
+    """This process's minor page faults and CPU seconds in the kernel so far (``getrusage``); subtract two.
+
+    A step that allocates memory the allocator gave back to the system faults every page of it in again
+    (on Linux the kernel zeroes each one): a cost of memory, not of arithmetic.
+    """
+
+    minor: int
+    kernel_s: float
+
+    @classmethod
+    def now(cls) -> "Faults":
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return cls(usage.ru_minflt, usage.ru_stime)
+
+    def __sub__(self, other: "Faults") -> "Faults":
+        return Faults(self.minor - other.minor, self.kernel_s - other.kernel_s)
+
+
 def max_rss() -> int:
     """The process's peak resident memory so far, in bytes (``ru_maxrss``: KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -618,6 +641,7 @@ def measure_checkpointing(settings: Settings, point: Point) -> tuple[list[dict],
     variants = ("plain", "checkpointed")
     seconds: dict[str, list[float]] = {v: [] for v in variants}
     peaks: dict[str, list[tuple]] = {v: [] for v in variants}
+    faults: dict[str, list[Faults]] = {v: [] for v in variants}
     kept, differences = {}, []
     for repetition in range(settings.warmup + settings.repeats):
         for turn, variant in enumerate(variants if repetition % 2 == 0 else variants[::-1]):
@@ -625,11 +649,13 @@ def measure_checkpointing(settings: Settings, point: Point) -> tuple[list[dict],
             optimizer.zero_grad(set_to_none=False)
             memory.start()
             torch.manual_seed(1)  # the same dropout masks in both
+            before = Faults.now()
             start = clock()
             with KeptForBackward(model) as saved, autocast(device, dtype):
                 loss = loss_of(model, batch)
             loss.backward()
             elapsed = clock() - start
+            faulted = Faults.now() - before
             peak = memory.stop()
             del loss
             with torch.no_grad():
@@ -640,6 +666,7 @@ def measure_checkpointing(settings: Settings, point: Point) -> tuple[list[dict],
             if repetition >= settings.warmup:
                 seconds[variant].append(elapsed)
                 peaks[variant].append(peak)
+                faults[variant].append(faulted)
                 kept[variant] = saved.bytes
         start = clock()
         optimizer.step()
@@ -657,7 +684,9 @@ def measure_checkpointing(settings: Settings, point: Point) -> tuple[list[dict],
                          peak_mib=max(whole) / MiB if whole else None, peak_above_start_mib=max(above) / MiB if above else None,
                          step_s=statistics.median(seconds[variant]), step_s_worst=max(seconds[variant]),
                          time_ratio=statistics.median(ratios) if variant == "checkpointed" else 1.0,
-                         time_ratio_worst=max(ratios) if variant == "checkpointed" else 1.0))
+                         time_ratio_worst=max(ratios) if variant == "checkpointed" else 1.0,
+                         page_faults=statistics.median(f.minor for f in faults[variant]),
+                         kernel_s=statistics.median(f.kernel_s for f in faults[variant])))
     summary = dict(kept_ratio=kept["plain"] / kept["checkpointed"], time_ratio=rows[1]["time_ratio"],
                    paired_seconds=list(zip(seconds["plain"], seconds["checkpointed"])),
                    time_ratio_worst=rows[1]["time_ratio_worst"], max_grad_difference=max(differences),
@@ -975,8 +1004,10 @@ def report(results: dict, settings: Settings, point: Point, args: argparse.Names
         print(markdown_table({"variant": "variant", "static_mib": "weights+grads+AdamW MiB", "kept_mib": "kept for backward MiB",
                               "peak_above_start_mib": "peak - start of the step MiB", "peak_mib": f"{peak} MiB",
                               "step_s": "step s (median)", "step_s_worst": "step s (worst)", "time_ratio": "time / plain (median)",
-                              "time_ratio_worst": "(worst)"}, rows,
-                             formats=[None, "{:,.0f}", "{:,.0f}", "{:,.0f}", "{:,.0f}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}"]))
+                              "time_ratio_worst": "(worst)", "page_faults": "page faults (median)",
+                              "kernel_s": "CPU s in the kernel (median)"}, rows,
+                             formats=[None, "{:,.0f}", "{:,.0f}", "{:,.0f}", "{:,.0f}", "{:.2f}", "{:.2f}", "{:.2f}", "{:.2f}",
+                                      "{:,.0f}", "{:.1f}"]))
         print(f"\nkept for backward: plain / checkpointed = {summary['kept_ratio']:.2f}x; gradients: max |difference| "
               f"{summary['max_grad_difference']:.3g} over {summary['pairs']} pair(s) of steps, warm-up included")
         pairs = "; ".join(f"{p:.2f} s, {c:.2f} s: {c / p:.2f}x" for p, c in summary["paired_seconds"])
