@@ -128,3 +128,22 @@ def test_the_base_preset_is_the_real_size_preset_of_configs_base_224():
     for key, value in written["fuser"].items():
         assert getattr(config.fuser, key) == value, key
     assert config.head.type == written["head"]["type"]
+
+
+def test_the_page_fault_bench_times_both_variants_and_counts_their_faults(capsys):
+    bench_page_faults = load_script("bench_page_faults")
+    measured = bench_page_faults.main(["--preset", "tiny", "--batch", "2", "--repeats", "2", "--threads", "1"])
+    assert set(measured) == {"plain", "checkpointed"}
+    for runs in measured.values():
+        assert len(runs) == 2
+        assert all(seconds > 0 and faults.minor >= 0 and faults.kernel_s >= 0 for seconds, faults in runs)
+    printed = capsys.readouterr().out
+    assert "| plain |" in printed and "| checkpointed |" in printed and "checkpointed / plain, each pair:" in printed
+
+
+def test_faults_count_the_pages_a_fresh_allocation_touches():
+    before = bench_scale.Faults.now()
+    buffer = torch.ones(16 * 2**20)  # 64 MiB: above malloc's largest mmap threshold (32 MiB), so fresh pages, each written
+    faulted = bench_scale.Faults.now() - before
+    assert faulted.minor >= buffer.nbytes // (2 * 2**20)  # at least one fault per page, were they 2 MiB huge pages
+    assert faulted.kernel_s >= 0
