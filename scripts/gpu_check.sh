@@ -3,7 +3,7 @@
 #   1. tests/test_gpu.py: bf16-mixed and 16-mixed `vlfuse fit` end to end, the fusion stack in bf16;
 #   2. scripts/bench_scale.py --device cuda --dtype bfloat16 --quick: the real-size step split by part, with
 #      activation checkpointing, and the fusion stack's forward+backward as a share of the bf16
-#      matrix-product rate (target: at least 50%); skipped while the script is missing;
+#      matrix-product rate (target: at least 50%);
 #   3. scripts/bench_compile.py --device cuda: torch.compile (inductor) against eager, the real-width
 #      fusion stack forward+backward (float32).
 # Each step's output goes to ${OUT:-gpu_check_out}/<step>.log; a failed step does not stop the next,
@@ -47,11 +47,7 @@ if [ "$DRY_RUN" != 1 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.
     exit 1
 fi
 step test_gpu 120 "$PYTHON" -m pytest -q -n 0 -rs tests/test_gpu.py
-if [ -f scripts/bench_scale.py ]; then
-    step bench_scale 100 "$PYTHON" scripts/bench_scale.py --device cuda --dtype bfloat16 --quick
-else
-    echo "gpu_check: scripts/bench_scale.py is missing: its step is skipped"
-fi
+step bench_scale 100 "$PYTHON" scripts/bench_scale.py --device cuda --dtype bfloat16 --quick
 step bench_compile 60 "$PYTHON" scripts/bench_compile.py --device cuda --sizes real --cases "stack fwd+bwd" --backends inductor --repeats 5
 
 if [ ${#FAILED[@]} -gt 0 ]; then
