@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 32, for whenever a GPU is lent (under 5 minutes on one H200, besides the set-up):
-#   1. tests/test_gpu.py: bf16-mixed and 16-mixed `vlfuse fit` end to end, the fusion stack in bf16;
+#   1. tests/test_mixed_precision.py: bf16-mixed and 16-mixed `vlfuse fit` end to end, the fusion stack in bf16;
 #   2. scripts/bench_scale.py --device cuda --dtype bfloat16 --quick: the real-size step split by part, with
 #      activation checkpointing, and the fusion stack's forward+backward as a share of the bf16
 #      matrix-product rate (target: at least 50%);
@@ -46,7 +46,7 @@ if [ "$DRY_RUN" != 1 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.
     echo "gpu_check: torch in $PYTHON sees no CUDA device (a CPU-only torch?): the GPU tests would only skip" >&2
     exit 1
 fi
-step test_gpu 120 "$PYTHON" -m pytest -q -n 0 -rs tests/test_gpu.py
+step test_gpu 120 "$PYTHON" -m pytest -q -n 0 -rs tests/test_mixed_precision.py
 step bench_scale 100 "$PYTHON" scripts/bench_scale.py --device cuda --dtype bfloat16 --quick
 step bench_compile 60 "$PYTHON" scripts/bench_compile.py --device cuda --sizes real --cases "stack fwd+bwd" --backends inductor --repeats 5
 
