@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -72,11 +73,12 @@ def patches_of(model: VLFuseModel, images: np.ndarray, batch: int = 250) -> torc
 
 
 def word_features(model: VLFuseModel, words: list[str]) -> torch.Tensor:
-    """What the reader reads of each single word ``(len(words), width)``."""
+    """What the reader reads of each single word ``(len(words), fusion width)``: the model's own
+    reading of the word as a question (word embedding, norm and the model's ``text_proj``)."""
     tokens = model.processor.tokenize(words)
     mask = tokens["attention_mask"].bool()
     with torch.no_grad():
-        features = model.fuser.question_features(model.text_encoder, tokens["input_ids"], mask)  # (B, Lt, w)
+        features = model.encode_questions(tokens["input_ids"], mask.long())  # (B, Lt, fusion width)
     return features[torch.arange(len(words)), mask.sum(1) - 2]  # the word before [SEP]
 
 
@@ -121,14 +123,20 @@ def token_probe(model: VLFuseModel, patches: torch.Tensor, scenes) -> tuple[floa
     return probe_accuracy(cells, shapes), probe_accuracy(cells, colours)
 
 
-def relation_shifts(model: VLFuseModel) -> dict[str, tuple[tuple[int, int], float, float]]:
-    """Per relation word (``cell_moves``): (the shift it weights most, that weight, the weight of no shift)."""
+def relation_shifts(model: VLFuseModel, least: float = 0.01) -> dict[str, tuple[list[tuple[tuple[int, int], float]], float]]:
+    """Per relation word and "of" (``cell_moves``): (the moves it weights at least ``least``, most
+    first, as ``((rows, cols), weight)``; the weight of no move). A word shared by two relations
+    ("of" in "left of" and "right of") that takes their moves can only mix them."""
     words = [relation.removesuffix("_of") for relation in RELATIONS] + ["of"]
     with torch.no_grad():
         shifts = model.fuser.shifts(word_features(model, words))  # (W, 9)
     steps = model.fuser.shift_steps()
     stay = steps.index((0, 0))
-    return {word: (steps[int(p.argmax())], float(p.max()), float(p[stay])) for word, p in zip(words, shifts)}
+    out = {}
+    for word, p in zip(words, shifts):
+        order = [int(k) for k in p.argsort(descending=True) if p[k] >= least]
+        out[word] = ([(steps[k], float(p[k])) for k in order], float(p[stay]))
+    return out
 
 
 def query_sets(query) -> list[tuple[int, object]]:
@@ -160,22 +168,31 @@ def _denoted(expr, scene) -> np.ndarray:
     return denotation(expr, scene)
 
 
+def question_states(model: VLFuseModel, images: np.ndarray, queries: list, batch: int = 256) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The reader's soft sets as the model reads each question: yields ``(first row, states (B, Lt,
+    cells), text mask (B, Lt))`` batch by batch, row t of a question's states once its token t is
+    read (:meth:`~vlfuse.fusers.CellStepsFuser.states`), the words read through the model's own
+    ``encode_questions``."""
+    tokens = model.processor.tokenize([" ".join(english_phrases(q)) for q in queries])
+    mask = tokens["attention_mask"].bool()
+    for start in range(0, len(queries), batch):
+        rows = slice(start, start + batch)
+        patches = patches_of(model, images[rows])
+        with torch.no_grad():
+            text = model.encode_questions(tokens["input_ids"][rows], mask[rows].long())
+            yield start, model.fuser.states(text, mask[rows], patches), mask[rows]  # states (B, Lt, cells)
+
+
 def set_states(model: VLFuseModel, split: ShapesSplit, scenes, batch: int = 256) -> dict[tuple[str, str], list[float]]:
     """``{(pattern, part read): [questions, sum of mean m on the denoted cells, questions with any,
     sum of mean m elsewhere]}``; ``part read`` is the pattern's tail from that word on ("R1 C1")."""
-    tokens = model.processor.tokenize([" ".join(english_phrases(q)) for q in split.queries])
-    mask = tokens["attention_mask"].bool()
     sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
-    for start in range(0, len(split), batch):
-        rows = slice(start, start + batch)
-        patches = patches_of(model, split.images[rows])
-        with torch.no_grad():
-            text = model.fuser.question_features(model.text_encoder, tokens["input_ids"][rows], mask[rows])
-            states = model.fuser.states(text, mask[rows], patches)  # (B, Lt, cells)
-        for i, text_query in enumerate(split.queries[rows]):
+    for start, states, mask in question_states(model, split.images, split.queries, batch):
+        for i in range(len(states)):
+            text_query = split.queries[start + i]
             query, scene = parse_query(text_query), scenes[start + i]
             words = sum(len(phrase.split()) for phrase in english_phrases(query))
-            if mask[start + i].sum() != words + 2:
+            if mask[i].sum() != words + 2:
                 raise ValueError(f"the tokenizer does not read {text_query!r} one token per word")
             pattern = question_pattern(text_query).split()
             for word, token, expr in set_tokens(query):
@@ -233,9 +250,10 @@ def main() -> None:
             print(f"  head {head:2d}  shape {shape:.1%}  colour {colour:.1%}")
     if "shifts" in args.parts:
         if isinstance(reader, CellMovesFuser):
-            print("shifts: word, the move it weights most (rows, cols), that weight, the weight of no move")
-            for word, (step, weight, stay) in relation_shifts(model).items():
-                print(f"  {word:6s} {step}  {weight:.3f}  {stay:.3f}")
+            print("shifts: word, the moves it weights (rows, cols) with their weights, most first; the weight of no move")
+            for word, (moves, stay) in relation_shifts(model).items():
+                shown = "  ".join(f"{step} {weight:.3f}" for step, weight in moves)
+                print(f"  {word:6s} {shown}  | no move {stay:.3f}")
         else:
             print("shifts: none (a cell_steps reader moves the set only through its update)")
     if "states" in args.parts:

@@ -70,6 +70,39 @@ def test_a_reader_that_holds_exactly_each_denoted_set_scores_1_on_it_and_0_elsew
         assert n == 4 and outside == 0.0 and inside == n_inside
 
 
+def test_a_word_is_read_as_the_model_reads_it_in_a_question():
+    """The probes read single words through the model's own question encoding (its text_proj
+    included): a word's features alone equal its features inside a question (the reader's words have
+    no context)."""
+    model = shapes_reader("cell_moves")
+    question = "is a red shape right of a green shape"
+    tokens = model.processor.tokenize([question])
+    with torch.no_grad():
+        in_question = model.encode_questions(tokens["input_ids"], tokens["attention_mask"])[0]  # (Lt, width)
+    alone = probe.word_features(model, ["red", "right", "of"])
+    words = ["[CLS]"] + question.split()
+    for row, word in enumerate(["red", "right", "of"]):
+        torch.testing.assert_close(alone[row], in_question[words.index(word)])
+
+
+def test_the_states_end_in_the_set_whose_size_is_the_models_answer():
+    """question_states reads each question as the model does: the soft size of its final set, through
+    the existence head, gives the model's own logits."""
+    from vlfuse.data import shapes as S
+
+    model = shapes_reader("cell_moves").eval()
+    queries = ["(is green (right_of (right_of green)))", "(is circle (below square))", "(is red red)"]
+    split = S.generate_training_set([parse_query(q) for q in queries], seed=0, images_per_question=2)
+    [(start, states, mask)] = probe.question_states(model, split.images, split.queries)
+    assert start == 0 and states.shape == (6, mask.shape[1], 9)
+    pixels = torch.stack([probe.preprocess_image(image, 30) for image in split.images])
+    tokens = model.processor.tokenize([to_english(parse_query(q)) for q in split.queries])
+    with torch.no_grad():
+        logits = model(pixels, tokens["input_ids"], tokens["attention_mask"]).logits  # (6, 2)
+    evidence = states[:, 0].sum(-1).log()  # the set once every word is read: row 0
+    torch.testing.assert_close(evidence + model.head.bias, logits[:, 1], rtol=1e-4, atol=1e-4)
+
+
 @needs_shapes
 def test_the_command_probes_a_saved_cell_moves_model(tmp_path, one_thread):
     shapes_reader("cell_moves").save_pretrained(tmp_path / "model")
@@ -81,8 +114,9 @@ def test_the_command_probes_a_saved_cell_moves_model(tmp_path, one_thread):
     for section in ("finds (", "keys:", "shifts:", "states (val"):
         assert section in out
     right = next(line for line in out.splitlines() if line.startswith("  right "))
-    step, weight, stay = right.split(None, 1)[1].rsplit(None, 2)
-    assert step == "(0, 0)" and weight == stay and float(stay) > 0.8  # untrained: the stay bias holds most of the kept set
+    moves, stay = right.split(None, 1)[1].split(" | no move ")
+    assert moves.startswith("(0, 0) ") and float(stay) > 0.8  # untrained: the stay bias holds most of the kept set
+    assert float(moves.split()[2]) == float(stay)  # the most weighted move is no move
     assert sum(line.startswith("  head ") for line in out.splitlines()) == 16  # the reader's 16 find heads
     tokens = next(line for line in out.splitlines() if line.startswith("  patch tokens"))
     assert 0 < float(tokens.split("shape ")[1].split("%")[0]) <= 100 and "colour " in tokens
