@@ -46,6 +46,7 @@ from vlfuse.data.shapes import (
     question_pattern,
     read_questions,
     read_scenes,
+    to_english,
 )
 from vlfuse.data.transforms import preprocess_image
 from vlfuse.datamodules.shapes import TRAINING_QUESTIONS_SPLIT, find_shapes_dir
@@ -123,19 +124,28 @@ def token_probe(model: VLFuseModel, patches: torch.Tensor, scenes) -> tuple[floa
     return probe_accuracy(cells, shapes), probe_accuracy(cells, colours)
 
 
-def relation_shifts(model: VLFuseModel, least: float = 0.01) -> dict[str, tuple[list[tuple[tuple[int, int], float]], float]]:
-    """Per relation word and "of" (``cell_moves``): (the moves it weights at least ``least``, most
-    first, as ``((rows, cols), weight)``; the weight of no move). A word shared by two relations
-    ("of" in "left of" and "right of") that takes their moves can only mix them."""
-    words = [relation.removesuffix("_of") for relation in RELATIONS] + ["of"]
-    with torch.no_grad():
-        shifts = model.fuser.shifts(word_features(model, words))  # (W, 9)
+def relation_shifts(model: VLFuseModel, least: float = 0.01) -> dict[str, list[tuple[str, list[tuple[tuple[int, int], float]], float]]]:
+    """Per relation (``cell_moves``), the shift of each word of its phrase as the reader reads it in
+    "is a red shape right of a green shape": ``[(word, the moves it weights at least ``least``, most
+    first, as ((rows, cols), weight), the weight of no move)]``. "of" comes in "left of" and "right
+    of" both: read alone, it can only mix their moves."""
     steps = model.fuser.shift_steps()
     stay = steps.index((0, 0))
     out = {}
-    for word, p in zip(words, shifts):
-        order = [int(k) for k in p.argsort(descending=True) if p[k] >= least]
-        out[word] = ([(steps[k], float(p[k])) for k in order], float(p[stay]))
+    for relation in RELATIONS:
+        question = to_english(("is", "red", (relation, "green")))
+        phrase = relation.removesuffix("_of").split("_") + (["of"] if relation.endswith("_of") else [])
+        words = ["[CLS]"] + question.split()
+        first = words.index(phrase[0], words.index("shape"))
+        tokens = model.processor.tokenize([question])
+        with torch.no_grad():
+            text = model.encode_questions(tokens["input_ids"], tokens["attention_mask"])
+            shifts = model.fuser.shifts(text)[0]  # (Lt, 9)
+        out[relation] = []
+        for offset, word in enumerate(phrase):
+            p = shifts[first + offset]
+            order = [int(k) for k in p.argsort(descending=True) if p[k] >= least]
+            out[relation].append((word, [(steps[k], float(p[k])) for k in order], float(p[stay])))
     return out
 
 
@@ -250,10 +260,12 @@ def main() -> None:
             print(f"  head {head:2d}  shape {shape:.1%}  colour {colour:.1%}")
     if "shifts" in args.parts:
         if isinstance(reader, CellMovesFuser):
-            print("shifts: word, the moves it weights (rows, cols) with their weights, most first; the weight of no move")
-            for word, (moves, stay) in relation_shifts(model).items():
-                shown = "  ".join(f"{step} {weight:.3f}" for step, weight in moves)
-                print(f"  {word:6s} {shown}  | no move {stay:.3f}")
+            print("shifts: each word of a relation as read in \"is a red shape ... a green shape\": the moves it "
+                  "weights (rows, cols) with their weights, most first; the weight of no move")
+            for relation, words in relation_shifts(model).items():
+                for word, moves, stay in words:
+                    shown = "  ".join(f"{step} {weight:.3f}" for step, weight in moves)
+                    print(f"  {relation:9s} {word:6s} {shown}  | no move {stay:.3f}")
         else:
             print("shifts: none (a cell_steps reader moves the set only through its update)")
     if "states" in args.parts:

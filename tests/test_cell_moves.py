@@ -13,8 +13,8 @@ from conftest import parameters_without_gradient, reader_config
 QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a circle red"]
 
 
-def cell_moves_model() -> VLFuseModel:
-    config = reader_config("cell_moves", mlp="swiglu", output_gate=True, dropout=0.0)
+def cell_moves_model(**options) -> VLFuseModel:
+    config = reader_config("cell_moves", mlp="swiglu", output_gate=True, dropout=0.0, **options)
     torch.manual_seed(0)
     return VLFuseModel.from_config(config, ["false", "true"], QUESTIONS)
 
@@ -44,7 +44,7 @@ def test_it_is_built_by_type_and_every_parameter_gets_a_gradient():
 
 def test_it_starts_by_keeping_most_of_the_set_where_it_is():
     fuser = cell_moves_model().fuser
-    shifts = fuser.shifts(torch.randn(5, fuser.shift.in_features) * 0.01)
+    shifts = fuser.shifts(torch.randn(5, 1, fuser.shift.in_features) * 0.01)[:, 0]
     stay = fuser.shift_steps().index((0, 0))
     assert shifts.shape == (5, 9)
     torch.testing.assert_close(shifts.sum(-1), torch.ones(5))
@@ -59,7 +59,7 @@ def test_a_word_with_all_its_weight_on_one_shift_moves_the_set_exactly(step):
     rows, cols = fuser.grid_size
     shift_only_to(fuser, step)
     m = torch.rand(2, rows, cols)
-    kept = fuser._kept(m.flatten(1).log(), torch.randn(2, fuser.shift.in_features)).exp().reshape(2, rows, cols)
+    kept = fuser._kept(m.flatten(1).log(), torch.randn(2, 1, fuser.shift.in_features), 0).exp().reshape(2, rows, cols)
     expected = torch.zeros_like(m)
     dr, dc = step
     for r in range(rows):
@@ -78,16 +78,16 @@ def test_two_moves_right_compose_to_two_columns_and_give_up_where_they_started()
     start = torch.zeros(1, rows, cols)
     start[0, :, 0] = 1.0
     log_m = start.flatten(1).clamp_min(1e-30).log()
-    word = torch.randn(1, fuser.shift.in_features)
-    moved = fuser._kept(fuser._kept(log_m, word), word).exp().reshape(rows, cols)
+    words = torch.randn(1, 2, fuser.shift.in_features)
+    moved = fuser._kept(fuser._kept(log_m, words, 1), words, 0).exp().reshape(rows, cols)
     assert moved[:, 2].min() > 0.999 and moved[:, :2].max() < 1e-6
 
 
 def test_the_gradient_of_a_set_off_the_grid_is_finite():
     fuser = cell_moves_model().fuser
     log_m = torch.full((1, fuser.grid_size[0] * fuser.grid_size[1]), -50.0, requires_grad=True)
-    word = torch.randn(1, fuser.shift.in_features, requires_grad=True)
-    fuser._kept(log_m, word).sum().backward()
+    word = torch.randn(1, 1, fuser.shift.in_features, requires_grad=True)
+    fuser._kept(log_m, word, 0).sum().backward()
     assert torch.isfinite(log_m.grad).all() and torch.isfinite(word.grad).all()
 
 
@@ -99,3 +99,53 @@ def test_saves_and_loads_with_identical_logits(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(answer(loaded, pixels, QUESTIONS, index).logits,
                                    answer(model, pixels, QUESTIONS, index).logits, rtol=0, atol=0)
+
+
+def test_a_shift_that_reads_the_previous_word_starts_as_the_word_alone_and_draws_nothing_more():
+    """``shift_reads: word_and_previous`` starts at zero: the same seed gives the same weights (the
+    random generator is not drawn from) and the same logits as ``word``."""
+    alone, with_previous = cell_moves_model().eval(), cell_moves_model(shift_reads="word_and_previous").eval()
+    assert with_previous.fuser.shift_previous.abs().sum() == 0
+    weights = alone.state_dict()
+    assert set(with_previous.state_dict()) - set(weights) == {"fuser.shift_previous"}
+    for name, value in weights.items():
+        assert torch.equal(with_previous.state_dict()[name], value), name
+    pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
+    with torch.no_grad():
+        torch.testing.assert_close(answer(with_previous, pixels, QUESTIONS, index).logits,
+                                   answer(alone, pixels, QUESTIONS, index).logits, rtol=0, atol=0)
+
+
+def test_a_word_that_reads_the_previous_word_shifts_by_it_and_learns_from_it():
+    """"of" after "right" and "of" after "left" can move differently: word t's shift changes with word
+    t - 1 and with nothing else; the previous word's weights get a gradient."""
+    model = cell_moves_model(shift_reads="word_and_previous")
+    fuser = model.fuser
+    with torch.no_grad():
+        fuser.shift_previous.normal_()
+    text = torch.randn(1, 4, fuser.shift.in_features)
+    other = text.clone()
+    other[:, 1] = torch.randn(fuser.shift.in_features)
+    changed = (fuser.shifts(text) - fuser.shifts(other)).abs().amax(-1)[0]  # (4,)
+    assert changed[1] > 0 and changed[2] > 1e-3  # word 1 itself, and word 2, which reads it
+    assert changed[0] == 0 and changed[3] == 0
+    logits = answer(model, torch.rand(2, 3, 32, 32), QUESTIONS, torch.tensor([0, 1, 1])).logits
+    torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 1])).backward()
+    assert fuser.shift_previous.grad.abs().sum() > 0
+
+
+def test_a_shift_reading_the_previous_word_saves_and_loads_with_identical_logits(tmp_path):
+    model = cell_moves_model(shift_reads="word_and_previous").eval()
+    with torch.no_grad():
+        model.fuser.shift_previous.normal_()
+    loaded = VLFuseModel.from_pretrained(model.save_pretrained(tmp_path / "model")).eval()
+    assert loaded.config.fuser.shift_reads == "word_and_previous"
+    pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
+    with torch.no_grad():
+        torch.testing.assert_close(answer(loaded, pixels, QUESTIONS, index).logits,
+                                   answer(model, pixels, QUESTIONS, index).logits, rtol=0, atol=0)
+
+
+def test_an_unknown_shift_reading_is_refused_by_name():
+    with pytest.raises(ValueError, match="shift_reads"):
+        reader_config("cell_moves", shift_reads="sentence")

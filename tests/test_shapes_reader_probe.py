@@ -16,11 +16,11 @@ probe = load_script("shapes_reader_probe")
 needs_shapes = pytest.mark.skipif(not (SHARED / "data" / "shapes").exists(), reason="needs ../shared/data/shapes")
 
 
-def shapes_reader(fuser: str) -> VLFuseModel:
+def shapes_reader(fuser: str, **options) -> VLFuseModel:
     config = tiny_config(
         image=ImageEncoderConfig(image_size=30, patch_size=10, width=32, depth=1, num_heads=2),
         text=TextEncoderConfig(width=32, depth=0, num_heads=2, max_length=24),
-        fuser={"type": fuser}, head={"type": "existence"},
+        fuser={"type": fuser, **options}, head={"type": "existence"},
     )
     torch.manual_seed(0)
     words = ["is a red shape right of right of a green shape above below a circle left of a blue square triangle"]
@@ -70,6 +70,22 @@ def test_a_reader_that_holds_exactly_each_denoted_set_scores_1_on_it_and_0_elsew
         assert n == 4 and outside == 0.0 and inside == n_inside
 
 
+def test_the_shifts_of_a_relation_are_those_of_its_words_in_a_question():
+    """Each word of "right of" gets the shift the reader applies to it in a question; with the shift
+    reading the previous word, "of" after "right" and after "left" can differ."""
+    model = shapes_reader("cell_moves")
+    shifts = probe.relation_shifts(model)
+    assert [word for word, _, _ in shifts["right_of"]] == ["right", "of"] and [w for w, _, _ in shifts["above"]] == ["above"]
+    for words in shifts.values():
+        for _, moves, stay in words:
+            assert sum(weight for _, weight in moves) <= 1 + 1e-6 and moves[0][0] == (0, 0) and moves[0][1] == stay
+    reading_previous = shapes_reader("cell_moves", shift_reads="word_and_previous")
+    with torch.no_grad():
+        reading_previous.fuser.shift_previous.normal_(std=3.0)
+    shifts = probe.relation_shifts(reading_previous)
+    assert shifts["right_of"][1][1] != shifts["left_of"][1][1]  # "of" moves by the word before it
+
+
 def test_a_word_is_read_as_the_model_reads_it_in_a_question():
     """The probes read single words through the model's own question encoding (its text_proj
     included): a word's features alone equal its features inside a question (the reader's words have
@@ -113,8 +129,8 @@ def test_the_command_probes_a_saved_cell_moves_model(tmp_path, one_thread):
     ).stdout
     for section in ("finds (", "keys:", "shifts:", "states (val"):
         assert section in out
-    right = next(line for line in out.splitlines() if line.startswith("  right "))
-    moves, stay = right.split(None, 1)[1].split(" | no move ")
+    right = next(line for line in out.splitlines() if line.startswith("  right_of  right "))
+    moves, stay = right.split(None, 2)[2].split(" | no move ")
     assert moves.startswith("(0, 0) ") and float(stay) > 0.8  # untrained: the stay bias holds most of the kept set
     assert float(moves.split()[2]) == float(stay)  # the most weighted move is no move
     assert sum(line.startswith("  head ") for line in out.splitlines()) == 16  # the reader's 16 find heads

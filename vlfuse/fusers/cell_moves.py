@@ -5,15 +5,21 @@ block computes from each cell's neighbourhood; nothing makes that move exact, an
 give up the cells it came from. Here what the update gate keeps is the set shifted by the word: a
 convex mix of the nine one-cell shifts (the neighbourhood), ``softmax(W word)``, as a Neural
 Turing Machine shifts its read head, so a relation word can move the whole set and keep nothing of
-where it was. Trained on SHAPES it composes on seeds where the cell-steps reader did not, though the
-trained words keep most of their weight on "no shift" (docs/results.md, issue 38).
+where it was. Trained on SHAPES it composes on seeds where the cell-steps reader did not.
+
+A shift that reads the word alone gives "of" one move for "left of" and "right of" both: on a
+stalled seed "of" took the horizontal move, half left and half right, and "left" and "right" stayed
+put. With ``shift_reads: word_and_previous`` the shift also reads the word before it, so "of" after
+"right" can move right (docs/results.md, issue 38).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlfuse.fusers.base import FUSERS
@@ -29,9 +35,16 @@ gradient to be found."""
 @dataclass
 class CellMovesConfig(CellStepsConfig):
     """The cell-moves reader (``type: cell_moves``): :class:`~vlfuse.fusers.CellStepsConfig` whose
-    kept set is shifted by the word (:class:`CellMovesFuser`). The same options."""
+    kept set is shifted by the word (:class:`CellMovesFuser`). The same options, and:
+
+    Attributes:
+        shift_reads: what chooses a word's shift: ``word``, the word alone; ``word_and_previous``,
+            the word and the word before it in the question (its weights start at zero, so the reader
+            starts as with ``word``).
+    """
 
     type: str = "cell_moves"
+    shift_reads: Literal["word", "word_and_previous"] = "word"
 
     def build(self, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> "CellMovesFuser":
         return CellMovesFuser(self, dim, text_width=text_width, grid_size=grid_size)
@@ -42,10 +55,10 @@ class CellMovesFuser(CellStepsFuser):
 
     ``S_w(m)`` is the set shifted by the word: each cell takes ``sum_k p_k m[cell + offset_k]`` over
     the nine offsets of its neighbourhood (nothing comes from beyond the grid's edge), with
-    ``p = softmax(W word)`` one distribution per word, whatever the image. One offset that takes all
-    the weight moves the whole set exactly, as "right of" asks; "no shift" keeps it, as the
-    cell-steps reader does. Everything else (finds, the shared block, the gate) is the cell-steps
-    reader's.
+    ``p = softmax(W word)`` one distribution per word, whatever the image (``softmax(W word + V
+    previous word)`` with ``shift_reads: word_and_previous``). One offset that takes all the weight
+    moves the whole set exactly, as "right of" asks; "no shift" keeps it, as the cell-steps reader
+    does. Everything else (finds, the shared block, the gate) is the cell-steps reader's.
 
     Args: as :class:`~vlfuse.fusers.CellStepsFuser`.
     """
@@ -56,10 +69,21 @@ class CellMovesFuser(CellStepsFuser):
         with torch.no_grad():
             self.shift.bias.zero_()
             self.shift.bias[NEIGHBOURHOOD * NEIGHBOURHOOD // 2] = STAY_BIAS
+        self.shift_previous = None
+        if config.shift_reads == "word_and_previous":  # zeros: draws nothing from the random generator
+            self.shift_previous = nn.Parameter(torch.zeros(NEIGHBOURHOOD * NEIGHBOURHOOD, text_width))
 
-    def shifts(self, words: torch.Tensor) -> torch.Tensor:
-        """Each word's distribution over the nine shifts ``(..., 9)``, in :meth:`shift_steps` order."""
-        return self.shift(words).softmax(-1)
+    def _shift_logits(self, text: torch.Tensor, t: int) -> torch.Tensor:
+        """The shift logits ``(Bq, 9)`` of word ``t`` of ``text`` ``(Bq, Lt, width)``."""
+        logits = self.shift(text[:, t])
+        if self.shift_previous is not None and t > 0:
+            logits = logits + F.linear(text[:, t - 1], self.shift_previous)
+        return logits
+
+    def shifts(self, text: torch.Tensor) -> torch.Tensor:
+        """Each word's distribution over the nine shifts as the reader applies it in its question:
+        ``(Bq, Lt, width) -> (Bq, Lt, 9)``, in :meth:`shift_steps` order."""
+        return torch.stack([self._shift_logits(text, t) for t in range(text.shape[1])], dim=1).softmax(-1)
 
     @staticmethod
     def shift_steps() -> list[tuple[int, int]]:
@@ -68,9 +92,9 @@ class CellMovesFuser(CellStepsFuser):
         half = NEIGHBOURHOOD // 2
         return [(-dr, -dc) for dr in range(-half, half + 1) for dc in range(-half, half + 1)]
 
-    def _kept(self, log_m: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
-        """``log S_w(m)`` ``(Bq, cells)`` from ``log m`` ``(Bq, cells)`` and the word ``(Bq, width)``."""
+    def _kept(self, log_m: torch.Tensor, text: torch.Tensor, t: int) -> torch.Tensor:
+        """``log S_w(m)`` ``(Bq, cells)`` from ``log m`` ``(Bq, cells)`` as word ``t`` of ``text`` ``(Bq, Lt, width)`` is read."""
         log_0 = torch.finfo(log_m.dtype).min  # beyond the edge; finite so that gradients stay finite
         neighbours = self._neighbourhood(log_m, beyond_edge=log_0)  # (Bq, cells, 9)
-        log_shift = self.shift(word).log_softmax(-1)  # (Bq, 9)
+        log_shift = self._shift_logits(text, t).log_softmax(-1)  # (Bq, 9)
         return torch.logsumexp(neighbours + log_shift[:, None, :], dim=-1)

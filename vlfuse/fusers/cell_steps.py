@@ -143,8 +143,9 @@ class CellStepsFuser(Fuser):
         padded = F.pad(grid, (half, half, half, half), value=beyond_edge)
         return F.unfold(padded, NEIGHBOURHOOD).transpose(1, 2)
 
-    def _kept(self, log_m: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
-        """What the update gate keeps of the set, ``log m`` ``(Bq, cells)``: the set as it is."""
+    def _kept(self, log_m: torch.Tensor, text: torch.Tensor, t: int) -> torch.Tensor:
+        """What the update gate keeps of the set ``log m`` ``(Bq, cells)`` as word ``t`` of ``text``
+        ``(Bq, Lt, width)`` is read: the set as it is."""
         return log_m
 
     def find_keys(self, patches: torch.Tensor) -> torch.Tensor:
@@ -170,7 +171,7 @@ class CellStepsFuser(Fuser):
             word = text[:, t, None, :]  # (Bq, 1, d)
             base = self.cell_position + self.find_in(scores[:, t])
             x = (base + self.state_in(self._neighbourhood(log_m.exp()))) * (1 + word) + word
-            kept = self._kept(log_m, text[:, t])
+            kept = self._kept(log_m, text, t)
             if checkpointing:
                 stepped_cells = checkpoint(self.step, x, patches, need_weights=draw, head_mask=head_mask, use_reentrant=False)
             else:
