@@ -5,7 +5,9 @@ the probes that explained why runs stalled or did not compose (docs/results.md, 
   it: the area under the ROC curve of its best head's scores (and of the mean head's);
 - ``keys``: for each head, a linear probe of its find key (after the QK-norm): does it still tell
   each cell's shape and colour? A stalled run's heads had all turned to colour; the same probe of
-  the patch tokens the keys are projected from says whether the image encoder or the projection lost it;
+  the patch tokens the keys are projected from says whether the image encoder or the projection lost it.
+  And how far each head's keys put a circle from a square of the same colour (squared Mahalanobis
+  distance): about 7 at the start, 30-50 once a run has learnt the shapes, 3-4 on a stalled one;
 - ``shifts`` (``cell_moves`` only): where each relation word moves the kept set;
 - ``states``: for each question pattern, the soft set once each part of the question is read
   (``R1 C1``: "right of a green shape"), against the cells that part denotes: the mean of ``m``
@@ -113,6 +115,31 @@ def key_probes(model: VLFuseModel, patches: torch.Tensor, scenes) -> list[tuple[
     for h in range(keys.shape[2]):
         cells = cell_features(keys[:, :, h], tuple(model.fuser.grid_size))  # (N * 9, dh)
         out.append((probe_accuracy(cells, shapes), probe_accuracy(cells, colours)))
+    return out
+
+
+def key_separation(model: VLFuseModel, patches: torch.Tensor, scenes, pair: tuple[str, str] = ("circle", "square")) -> list[float]:
+    """Per head: how far its find keys tell the two shapes of ``pair`` apart, cells of the same colour
+    compared: the squared Mahalanobis distance between the two shapes' mean keys (their pooled
+    covariance, lightly regularised), averaged over the colours. A circle and a square differ only
+    at their corners; a head whose keys tell them apart is far above the others (docs/results.md, issue 38)."""
+    colours, shapes = cell_labels(scenes)
+    first, second = (1 + SHAPES.index(shape) for shape in pair)
+    with torch.no_grad():
+        keys = model.fuser.find_keys(patches)  # (N, cells, H, dh)
+    out = []
+    for h in range(keys.shape[2]):
+        cells = cell_features(keys[:, :, h], tuple(model.fuser.grid_size)).double()  # (N * 9, dh)
+        distances = []
+        for colour in range(1, 1 + len(COLOURS)):
+            a, b = cells[(colours == colour) & (shapes == first)], cells[(colours == colour) & (shapes == second)]
+            if min(len(a), len(b)) <= cells.shape[1]:
+                continue  # too few cells of this colour for a covariance
+            pooled = (torch.cov(a.T) * (len(a) - 1) + torch.cov(b.T) * (len(b) - 1)) / (len(a) + len(b) - 2)
+            pooled = pooled + 1e-4 * pooled.diagonal().mean() * torch.eye(len(pooled), dtype=pooled.dtype)
+            difference = a.mean(0) - b.mean(0)
+            distances.append(float(difference @ torch.linalg.solve(pooled, difference)))
+        out.append(float(np.mean(distances)) if distances else float("nan"))
     return out
 
 
@@ -253,11 +280,13 @@ def main() -> None:
         for word, (best, head) in find_aucs(model, patches, scenes).items():
             print(f"  {word:9s} {best:.3f} (head {head})")
     if "keys" in args.parts:
-        print("keys: head, a linear probe of its find key for the cell's shape / colour (held out)")
+        print("keys: head, a linear probe of its find key for the cell's shape / colour (held out); how far its keys "
+              "put a circle from a square of the same colour (squared Mahalanobis distance)")
         shape, colour = token_probe(model, patches, scenes)
         print(f"  patch tokens (what every key is projected from)  shape {shape:.1%}  colour {colour:.1%}")
+        separations = key_separation(model, patches, scenes)
         for head, (shape, colour) in enumerate(key_probes(model, patches, scenes)):
-            print(f"  head {head:2d}  shape {shape:.1%}  colour {colour:.1%}")
+            print(f"  head {head:2d}  shape {shape:.1%}  colour {colour:.1%}  circle/square {separations[head]:.1f}")
     if "shifts" in args.parts:
         if isinstance(reader, CellMovesFuser):
             print("shifts: each word of a relation as read in \"is a red shape ... a green shape\": the moves it "

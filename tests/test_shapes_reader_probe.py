@@ -136,3 +136,28 @@ def test_the_command_probes_a_saved_cell_moves_model(tmp_path, one_thread):
     assert sum(line.startswith("  head ") for line in out.splitlines()) == 16  # the reader's 16 find heads
     tokens = next(line for line in out.splitlines() if line.startswith("  patch tokens"))
     assert 0 < float(tokens.split("shape ")[1].split("%")[0]) <= 100 and "colour " in tokens
+
+
+def test_the_key_separation_is_large_for_keys_that_carry_the_shape_and_small_for_keys_that_do_not(monkeypatch):
+    """key_separation compares a circle's and a square's keys of the same colour, per head: keys
+    that hold the cell's shape (plus noise) are far apart, keys that hold only its colour are not."""
+    from vlfuse.data import shapes as S
+
+    model = shapes_reader("cell_moves")
+    split = S.generate_training_set([parse_query("(is circle (below square))")], seed=0, images_per_question=200)
+    colours, shapes = probe.cell_labels(split.scenes)
+    noise = torch.Generator().manual_seed(0)
+    heads, dh = model.fuser.heads, 4
+
+    def keys_of(labels):
+        code = torch.nn.functional.one_hot(labels, 4).float().repeat(1, dh // 4 or 1)[:, :dh]  # (N * 9, dh)
+        keys = code[:, None, :].expand(-1, heads, -1) + 0.1 * torch.randn(len(labels), heads, dh, generator=noise)
+        return keys.reshape(len(split.scenes), 9, heads, dh)
+
+    patches = torch.zeros(len(split.scenes), 9, 1)
+    monkeypatch.setattr(model.fuser, "find_keys", lambda _: keys_of(shapes))
+    apart = probe.key_separation(model, patches, split.scenes)
+    monkeypatch.setattr(model.fuser, "find_keys", lambda _: keys_of(colours))
+    together = probe.key_separation(model, patches, split.scenes)
+    assert len(apart) == len(together) == heads
+    assert min(apart) > 100 and max(together) < 1  # one unit apart in noise of 0.1: d^2 = 2 / 0.01 = 200
