@@ -132,15 +132,27 @@ def read_trace(path: Path) -> list[dict]:
     return rows
 
 
+MOVES = ("left_of left", "right_of right", "left_of of", "right_of of")
+"""The words whose moves the printed trace shows: "left", "right", "of" after "left", "of" after "right"."""
+
+
 def format_row(row: dict) -> str:
-    """One line of the printed trace."""
+    """One line of the printed trace (:func:`header`'s columns)."""
     finds = row["finds"]
-    line = (f"{row['step']:6d} {row['epoch']:5d}  {finds['circle']:.2f} {finds['square']:.2f} {finds['triangle']:.2f}"
+    line = (f"{row['step']:6d} {row['epoch']:5d}  {finds['circle']:6.2f} {finds['square']:6.2f} {finds['triangle']:8.2f}"
             f"  {row['circle_square']['median']:6.1f} {row['circle_square']['max']:7.1f}")
-    for name in ("left_of left", "right_of right", "left_of of", "right_of of"):
+    for name in MOVES:
         if name in row.get("shifts", {}):
             line += "  " + " ".join(f"{tuple(step)} {weight:.2f}" for step, weight in row["shifts"][name]).ljust(24)
     return line
+
+
+def header(moves: bool) -> str:
+    """The column names of :func:`format_row`."""
+    line = "  step epoch  circle square triangle  median     max"
+    if moves:
+        line += "  " + "  ".join(name.ljust(24) for name in ("left", "right", "of (after left)", "of (after right)"))
+    return " " * 14 + "finds (AUC)".ljust(24) + "circle/square keys\n" + line.rstrip()
 
 
 def main() -> None:
@@ -150,10 +162,7 @@ def main() -> None:
     if not args.trace.is_file():
         raise SystemExit(f"trace: no such file: {args.trace}")
     rows = read_trace(args.trace)
-    header = "  step epoch  finds: circle square triangle  circle/square keys: median max"
-    if any("shifts" in row for row in rows):
-        header += "  | moves of: left, right, of (after left), of (after right)"
-    print(header)
+    print(header(any("shifts" in row for row in rows)))
     for row in rows:
         print(format_row(row))
 

@@ -64,8 +64,9 @@ def test_the_printed_trace_has_a_line_per_row_and_a_broken_row_is_named(tmp_path
     command = [sys.executable, str(REPO / "scripts" / "shapes_reader_trace.py"), str(path)]
     env = {**os.environ, "VLFUSE_SHAPES_DIR": str(SHAPES_DIR)}
     lines = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout.splitlines()
-    assert len(lines) == 3 and lines[1].split()[:7] == ["53", "0", "0.61", "0.62", "0.65", "7.5", "12.9"]
-    assert "(0, -1) 0.01" in lines[1] and lines[2].split()[0] == "106"
+    assert len(lines) == 4 and lines[1].split()[:3] == ["step", "epoch", "circle"]  # two header lines, a line a row
+    assert lines[2].split()[:7] == ["53", "0", "0.61", "0.62", "0.65", "7.5", "12.9"]
+    assert "(0, -1) 0.01" in lines[2] and lines[3].split()[0] == "106"
     path.write_text(json.dumps(row) + "\n{not json\n")
     broken = subprocess.run(command, capture_output=True, text=True, env=env)
     assert broken.returncode != 0 and f"{path}:2: not a trace row" in broken.stderr
