@@ -29,6 +29,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torchmetrics.functional.classification import binary_auroc
 
 from _common import add_model_argument, load_model
@@ -104,6 +105,18 @@ def find_aucs(model: VLFuseModel, patches: torch.Tensor, scenes) -> dict[str, tu
             best = int(np.argmax(per_head))
             out[word] = (per_head[best], best)
     return out
+
+
+def query_cosines(model: VLFuseModel, first: str = "circle", second: str = "square") -> list[float]:
+    """Per head: the cosine of the two words' find queries (after the QK-norm). A head that tells
+    ``first`` from ``second`` gives them opposite queries; in the stalled runs of issue 38 every head
+    gave a circle and a square nearly the same query (cosine 0.73 or more), the keys nearly the
+    same keys, and neither could learn the difference without the other."""
+    features = word_features(model, [first, second])  # (2, width)
+    fuser = model.fuser
+    with torch.no_grad():
+        queries = fuser.head_norm(fuser.find_query(features).unflatten(-1, (fuser.heads, -1)))  # (2, H, dh)
+    return F.cosine_similarity(queries[0], queries[1], dim=-1).tolist()
 
 
 def key_probes(model: VLFuseModel, patches: torch.Tensor, scenes) -> list[tuple[float, float]]:
@@ -279,6 +292,8 @@ def main() -> None:
         print(f"finds ({len(scenes)} generated scenes): word, the AUC of its best head against the cells holding it")
         for word, (best, head) in find_aucs(model, patches, scenes).items():
             print(f"  {word:9s} {best:.3f} (head {head})")
+        cosines = query_cosines(model)
+        print(f"  circle and square queries: cosine per head, median {np.median(cosines):.2f}, least {min(cosines):.2f}")
     if "keys" in args.parts:
         print("keys: head, a linear probe of its find key for the cell's shape / colour (held out); how far its keys "
               "put a circle from a square of the same colour (squared Mahalanobis distance)")

@@ -5,7 +5,8 @@ took off (docs/results.md#composition-on-every-seed-issue-38):
 
 - ``finds``: the AUC of each colour and shape word's find (its best head) against the cells holding it;
 - ``circle_square``: how far the find keys put a circle from a square of the same colour (squared
-  Mahalanobis distance; the median and the largest over the heads);
+  Mahalanobis distance; the median and the largest over the heads), and the least cosine, over the
+  heads, of the circle's and the square's find queries;
 - ``shifts`` (``cell_moves`` only): the two moves each relation word weights most, as read in
   "is a red shape ... a green shape".
 
@@ -30,7 +31,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from shapes_reader_probe import find_aucs, key_separation, patches_of, relation_shifts
+from shapes_reader_probe import find_aucs, key_separation, patches_of, query_cosines, relation_shifts
 from vlfuse.data.shapes import distinct_queries, generate_training_set, read_questions
 from vlfuse.datamodules.shapes import TRAINING_QUESTIONS_SPLIT, find_shapes_dir
 from vlfuse.fusers import CellMovesFuser, CellStepsFuser
@@ -91,7 +92,8 @@ class ReaderTrace(L.Callback):
             row = {
                 "finds": {word: round(auc, 3) for word, (auc, _) in find_aucs(model, patches, scenes).items()},
                 "circle_square": {"median": round(float(np.nanmedian(separations)), 2),
-                                  "max": round(float(np.nanmax(separations)), 2)},
+                                  "max": round(float(np.nanmax(separations)), 2),
+                                  "least_query_cosine": round(min(query_cosines(model)), 3)},
             }
             if isinstance(model.fuser, CellMovesFuser):
                 row["shifts"] = {
@@ -140,7 +142,8 @@ def format_row(row: dict) -> str:
     """One line of the printed trace (:func:`header`'s columns)."""
     finds = row["finds"]
     line = (f"{row['step']:6d} {row['epoch']:5d}  {finds['circle']:6.2f} {finds['square']:6.2f} {finds['triangle']:8.2f}"
-            f"  {row['circle_square']['median']:6.1f} {row['circle_square']['max']:7.1f}")
+            f"  {row['circle_square']['median']:6.1f} {row['circle_square']['max']:7.1f}"
+            f" {row['circle_square'].get('least_query_cosine', float('nan')):8.2f}")
     for name in MOVES:
         if name in row.get("shifts", {}):
             line += "  " + " ".join(f"{tuple(step)} {weight:.2f}" for step, weight in row["shifts"][name]).ljust(24)
@@ -149,7 +152,7 @@ def format_row(row: dict) -> str:
 
 def header(moves: bool) -> str:
     """The column names of :func:`format_row`."""
-    line = "  step epoch  circle square triangle  median     max"
+    line = "  step epoch  circle square triangle  median     max  queries"
     if moves:
         line += "  " + "  ".join(name.ljust(24) for name in ("left", "right", "of (after left)", "of (after right)"))
     return " " * 14 + "finds (AUC)".ljust(24) + "circle/square keys\n" + line.rstrip()

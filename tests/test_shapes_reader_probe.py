@@ -161,3 +161,12 @@ def test_the_key_separation_is_large_for_keys_that_carry_the_shape_and_small_for
     together = probe.key_separation(model, patches, split.scenes)
     assert len(apart) == len(together) == heads
     assert min(apart) > 100 and max(together) < 1  # one unit apart in noise of 0.1: d^2 = 2 / 0.01 = 200
+
+
+def test_the_query_cosine_is_1_for_a_word_with_itself_and_symmetric_between_two_words():
+    model = shapes_reader("cell_moves")
+    same = probe.query_cosines(model, "circle", "circle")
+    assert len(same) == model.fuser.heads and all(abs(c - 1) < 1e-5 for c in same)
+    circle_square, square_circle = probe.query_cosines(model, "circle", "square"), probe.query_cosines(model, "square", "circle")
+    assert circle_square == pytest.approx(square_circle)
+    assert all(-1 <= c <= 1 for c in circle_square) and min(circle_square) < 0.9  # untrained: random queries per head

@@ -48,6 +48,7 @@ def test_a_traced_fit_writes_a_row_every_n_steps_and_trains_exactly_as_an_untrac
         assert set(row["finds"]) == {"red", "green", "blue", "circle", "square", "triangle"}
         assert all(0 <= auc <= 1 for auc in row["finds"].values())
         assert 0 <= row["circle_square"]["median"] <= row["circle_square"]["max"]
+        assert -1 <= row["circle_square"]["least_query_cosine"] <= 1
         right = row["shifts"]["right_of right"]  # cell_moves: the two heaviest moves, most first
         assert len(right) == 2 and right[0][1] >= right[1][1] and right[0][0] == [0, 0]  # the stay bias still holds
     assert rows[0]["finds"] != rows[-1]["finds"]  # the model the probes read is the one being trained
@@ -56,7 +57,7 @@ def test_a_traced_fit_writes_a_row_every_n_steps_and_trains_exactly_as_an_untrac
 @needs_shapes
 def test_the_printed_trace_has_a_line_per_row_and_a_broken_row_is_named(tmp_path):
     row = {"step": 53, "epoch": 0, "finds": {"circle": 0.61, "square": 0.62, "triangle": 0.65},
-           "circle_square": {"median": 7.49, "max": 12.9},
+           "circle_square": {"median": 7.49, "max": 12.9, "least_query_cosine": 0.31},
            "shifts": {"left_of left": [[[0, 0], 0.93], [[0, -1], 0.01]], "right_of right": [[[0, 0], 0.85], [[0, 1], 0.02]],
                       "left_of of": [[[0, 0], 0.85], [[0, 1], 0.07]], "right_of of": [[[0, 0], 0.85], [[0, 1], 0.07]]}}
     path = tmp_path / "trace.jsonl"
@@ -65,7 +66,7 @@ def test_the_printed_trace_has_a_line_per_row_and_a_broken_row_is_named(tmp_path
     env = {**os.environ, "VLFUSE_SHAPES_DIR": str(SHAPES_DIR)}
     lines = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout.splitlines()
     assert len(lines) == 4 and lines[1].split()[:3] == ["step", "epoch", "circle"]  # two header lines, a line a row
-    assert lines[2].split()[:7] == ["53", "0", "0.61", "0.62", "0.65", "7.5", "12.9"]
+    assert lines[2].split()[:8] == ["53", "0", "0.61", "0.62", "0.65", "7.5", "12.9", "0.31"]
     assert "(0, -1) 0.01" in lines[2] and lines[3].split()[0] == "106"
     path.write_text(json.dumps(row) + "\n{not json\n")
     broken = subprocess.run(command, capture_output=True, text=True, env=env)
