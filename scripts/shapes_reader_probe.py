@@ -76,6 +76,14 @@ def patches_of(model: VLFuseModel, images: np.ndarray, batch: int = 250) -> torc
     return torch.cat(out)
 
 
+def generated_scenes(count: int) -> tuple[list, np.ndarray]:
+    """``count`` scenes (every cell known) and their images, generated from the training questions
+    (``seed=1``): what the finds and keys probes read."""
+    queries = distinct_queries(read_questions(find_shapes_dir(), TRAINING_QUESTIONS_SPLIT).queries)
+    data = generate_training_set(queries, seed=1, images_per_question=-(-count // len(queries)))
+    return data.scenes[:count], data.images[:count]
+
+
 def word_features(model: VLFuseModel, words: list[str]) -> torch.Tensor:
     """What the reader reads of each single word ``(len(words), fusion width)``: the model's own
     reading of the word as a question (word embedding, norm and the model's ``text_proj``)."""
@@ -112,10 +120,8 @@ def query_cosines(model: VLFuseModel, first: str = "circle", second: str = "squa
     ``first`` from ``second`` gives them opposite queries; in the stalled runs of issue 38 every head
     gave a circle and a square nearly the same query (cosine 0.73 or more), the keys nearly the
     same keys, and neither could learn the difference without the other."""
-    features = word_features(model, [first, second])  # (2, width)
-    fuser = model.fuser
     with torch.no_grad():
-        queries = fuser.head_norm(fuser.find_query(features).unflatten(-1, (fuser.heads, -1)))  # (2, H, dh)
+        queries = model.fuser.find_queries(word_features(model, [first, second]))  # (2, H, dh)
     return F.cosine_similarity(queries[0], queries[1], dim=-1).tolist()
 
 
@@ -285,9 +291,8 @@ def main() -> None:
     model = load_model(args.model)
     reader = reader_of(model)
     if {"finds", "keys"} & set(args.parts):
-        queries = distinct_queries(read_questions(find_shapes_dir(), TRAINING_QUESTIONS_SPLIT).queries)
-        data = generate_training_set(queries, seed=1, images_per_question=-(-args.scenes // len(queries)))
-        scenes, patches = data.scenes[: args.scenes], patches_of(model, data.images[: args.scenes])
+        scenes, images = generated_scenes(args.scenes)
+        patches = patches_of(model, images)
     if "finds" in args.parts:
         print(f"finds ({len(scenes)} generated scenes): word, the AUC of its best head against the cells holding it")
         for word, (best, head) in find_aucs(model, patches, scenes).items():

@@ -31,9 +31,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from shapes_reader_probe import find_aucs, key_separation, patches_of, query_cosines, relation_shifts
-from vlfuse.data.shapes import distinct_queries, generate_training_set, read_questions
-from vlfuse.datamodules.shapes import TRAINING_QUESTIONS_SPLIT, find_shapes_dir
+from shapes_reader_probe import find_aucs, generated_scenes, key_separation, patches_of, query_cosines, relation_shifts
 from vlfuse.fusers import CellMovesFuser, CellStepsFuser
 
 TRACE_FILE = "reader_trace.jsonl"
@@ -80,9 +78,7 @@ class ReaderTrace(L.Callback):
     def probe(self, model) -> dict:
         """One row of the trace (without step and epoch), the model in eval mode meanwhile."""
         if self._data is None:
-            queries = distinct_queries(read_questions(find_shapes_dir(), TRAINING_QUESTIONS_SPLIT).queries)
-            data = generate_training_set(queries, seed=1, images_per_question=-(-self.scenes // len(queries)))
-            self._data = data.scenes[: self.scenes], data.images[: self.scenes]
+            self._data = generated_scenes(self.scenes)
         scenes, images = self._data
         training = model.training
         model.eval()

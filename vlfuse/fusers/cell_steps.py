@@ -152,9 +152,13 @@ class CellStepsFuser(Fuser):
         """Each head's QK-normed find key of each patch: ``(B, cells, d) -> (B, cells, H, d / H)``."""
         return self.head_norm(self.find_key(patches).unflatten(-1, (self.heads, -1)))
 
+    def find_queries(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Each head's QK-normed find query of each word: ``(..., d) -> (..., H, d / H)``."""
+        return self.head_norm(self.find_query(tokens).unflatten(-1, (self.heads, -1)))
+
     def finds(self, tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
         """Each word's per-head scores of each patch: ``(Bq, Lt, d), (Bq, cells, d) -> (Bq, Lt, cells, H)``."""
-        q = self.head_norm(self.find_query(tokens).unflatten(-1, (self.heads, -1)))  # (Bq, Lt, H, dh)
+        q = self.find_queries(tokens)  # (Bq, Lt, H, dh)
         return torch.einsum("bthe,bche->btch", q, self.find_keys(patches)) / q.shape[-1] ** 0.5
 
     def _read(
