@@ -101,10 +101,11 @@ def test_saves_and_loads_with_identical_logits(tmp_path):
                                    answer(model, pixels, QUESTIONS, index).logits, rtol=0, atol=0)
 
 
-def test_a_shift_that_reads_the_previous_word_starts_as_the_word_alone_and_draws_nothing_more():
-    """``shift_reads: word_and_previous`` starts at zero: the same seed gives the same weights (the
+@pytest.mark.parametrize("reads", ["word_and_previous", "word_steered_by_previous"])
+def test_a_shift_that_reads_the_previous_word_starts_as_the_word_alone_and_draws_nothing_more(reads):
+    """A shift that reads the word before starts at zero: the same seed gives the same weights (the
     random generator is not drawn from) and the same logits as ``word``."""
-    alone, with_previous = cell_moves_model().eval(), cell_moves_model(shift_reads="word_and_previous").eval()
+    alone, with_previous = cell_moves_model().eval(), cell_moves_model(shift_reads=reads).eval()
     assert with_previous.fuser.shift_previous.abs().sum() == 0
     weights = alone.state_dict()
     assert set(with_previous.state_dict()) - set(weights) == {"fuser.shift_previous"}
@@ -134,12 +135,37 @@ def test_a_word_that_reads_the_previous_word_shifts_by_it_and_learns_from_it():
     assert fuser.shift_previous.grad.abs().sum() > 0
 
 
-def test_a_shift_reading_the_previous_word_saves_and_loads_with_identical_logits(tmp_path):
-    model = cell_moves_model(shift_reads="word_and_previous").eval()
+def test_a_steering_word_before_changes_where_a_word_moves_never_how_much():
+    """``word_steered_by_previous``: "shape" before "above" cannot hold "above" still. Word t's
+    weight on no move is its own shift's, whatever word t - 1; the split of the rest among the
+    eight moves changes with word t - 1; the shifts stay distributions and the steering weights learn."""
+    model = cell_moves_model(shift_reads="word_steered_by_previous")
+    fuser = model.fuser
+    with torch.no_grad():
+        fuser.shift_previous.normal_(std=3.0)
+    text = torch.randn(2, 4, fuser.shift.in_features)
+    other = text.clone()
+    other[:, 1] = torch.randn(fuser.shift.in_features)
+    shifts, changed = fuser.shifts(text), fuser.shifts(other)
+    torch.testing.assert_close(shifts.sum(-1), torch.ones(2, 4))
+    stay = fuser.shift_steps().index((0, 0))
+    own = fuser.shift(text).softmax(-1)  # (2, 4, 9): each word alone
+    torch.testing.assert_close(shifts[..., stay], own[..., stay])
+    torch.testing.assert_close(changed[:, 2, stay], shifts[:, 2, stay])
+    assert (changed[:, 2] - shifts[:, 2]).abs().amax() > 1e-3  # the moves of word 2 follow word 1
+    torch.testing.assert_close(shifts[:, 0], own[:, 0])  # the first word has no word before it
+    logits = answer(model, torch.rand(2, 3, 32, 32), QUESTIONS, torch.tensor([0, 1, 1])).logits
+    torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 1])).backward()
+    assert fuser.shift_previous.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("reads", ["word_and_previous", "word_steered_by_previous"])
+def test_a_shift_reading_the_previous_word_saves_and_loads_with_identical_logits(tmp_path, reads):
+    model = cell_moves_model(shift_reads=reads).eval()
     with torch.no_grad():
         model.fuser.shift_previous.normal_()
     loaded = VLFuseModel.from_pretrained(model.save_pretrained(tmp_path / "model")).eval()
-    assert loaded.config.fuser.shift_reads == "word_and_previous"
+    assert loaded.config.fuser.shift_reads == reads
     pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
     with torch.no_grad():
         torch.testing.assert_close(answer(loaded, pixels, QUESTIONS, index).logits,

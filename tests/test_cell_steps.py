@@ -18,8 +18,8 @@ from conftest import parameters_without_gradient, reader_config, tiny_config
 QUESTIONS = ["is a red shape a square", "is a circle left of a square", "is a circle red"]
 
 
-def cell_steps_model() -> VLFuseModel:
-    config = reader_config("cell_steps", mlp="swiglu", output_gate=True, dropout=0.0)
+def cell_steps_model(**options) -> VLFuseModel:
+    config = reader_config("cell_steps", mlp="swiglu", output_gate=True, dropout=0.0, **options)
     torch.manual_seed(0)
     return VLFuseModel.from_config(config, ["false", "true"], QUESTIONS)
 
@@ -174,3 +174,67 @@ def test_states_trace_the_set_word_by_word_and_end_at_the_set_the_answer_reads()
     for q in range(3):
         assert torch.equal(states[q, last[q] + 1 :], torch.ones_like(states[q, last[q] + 1 :]))
         assert not torch.equal(states[q, last[q]], torch.ones_like(states[q, last[q]]))
+
+
+def test_the_find_can_have_fewer_wider_heads_than_the_shared_block():
+    model = cell_steps_model(find_heads=4)
+    fuser = model.fuser
+    assert fuser.step.cross_attn.num_heads == 16 and fuser.find_heads == 4
+    patches, words = torch.randn(3, 4, 32), torch.randn(3, 5, 32)  # the tiny config's fusion width, 32
+    assert fuser.find_keys(patches).shape == (3, 4, 4, 8)
+    assert fuser.finds(words, patches).shape == (3, 5, 4, 4)
+    logits = answer(model, torch.rand(2, 3, 32, 32), QUESTIONS, torch.tensor([0, 1, 1])).logits
+    torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 1])).backward()
+    assert fuser.find_in.weight.grad.shape == (32, 4) and fuser.find_in.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"find_heads": 0}, "fuser.find_heads must be between 1 and"),
+    ({"find_heads": 5}, r"fuser.find_heads \(5\) must divide the fusion width \(32\)"),
+    ({"find_diversity_weight": -1.0}, "fuser.find_diversity_weight must be >= 0, got -1.0"),
+])
+def test_bad_find_options_are_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        cell_steps_model(**options)
+
+
+def set_find_queries(fuser: CellStepsFuser, direction_of: dict[int, torch.Tensor]) -> None:
+    """Make the find query of a token whose features are the one-hot of ``i`` point along
+    ``direction_of[i]`` (the same in every head; the head norm without its affine part)."""
+    with torch.no_grad():
+        fuser.find_query.weight.zero_()
+        fuser.find_query.bias.zero_()
+        fuser.head_norm.weight.fill_(1.0)
+        fuser.head_norm.bias.zero_()
+        for i, direction in direction_of.items():
+            fuser.find_query.weight[:, i] = direction.repeat(fuser.find_heads)
+
+
+def test_the_find_query_overlap_is_zero_for_opposite_words_one_for_alike_and_counts_a_word_once():
+    fuser = cell_steps_model(find_heads=4).fuser
+    up = torch.tensor([1.0, -1.0] * 4)  # one head's 8 dims, mean 0 and variance 1: the head norm keeps it
+    set_find_queries(fuser, {0: up, 1: -up, 2: up})
+    one_hot = torch.eye(32)
+    mask = torch.tensor([[True, True, True, False]])
+    opposite = torch.stack([one_hot[0], one_hot[1], one_hot[0], one_hot[3]])[None]  # word 0 twice, padding
+    assert fuser.find_query_overlap(opposite, mask) == 0
+    alike = torch.stack([one_hot[0], one_hot[2], one_hot[2], one_hot[3]])[None]
+    torch.testing.assert_close(fuser.find_query_overlap(alike, mask), torch.tensor(1.0))
+    three = torch.stack([one_hot[0], one_hot[1], one_hot[2], one_hot[3]])[None]  # pairs: -1, 1, -1 (each both ways)
+    torch.testing.assert_close(fuser.find_query_overlap(three, mask), torch.tensor(1 / 3))
+    assert fuser.find_query_overlap(alike, torch.tensor([[True, False, False, False]])) == 0
+
+
+def test_the_find_diversity_penalty_is_added_in_training_only_and_pushes_the_queries():
+    model = cell_steps_model(find_diversity_weight=0.5)
+    pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
+    output = answer(model.train(), pixels, QUESTIONS, index)
+    text = model.encode_questions(*model.processor.tokenize(QUESTIONS).values())
+    mask = model.processor.tokenize(QUESTIONS)["attention_mask"].bool()
+    torch.testing.assert_close(output.auxiliary_loss, 0.5 * model.fuser.find_query_overlap(text, mask))
+    assert output.auxiliary_loss > 0
+    output.auxiliary_loss.backward()
+    assert model.fuser.find_query.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert answer(model.eval(), pixels, QUESTIONS, index).auxiliary_loss is None
+    assert answer(cell_steps_model().train(), pixels, QUESTIONS, index).auxiliary_loss is None

@@ -10,7 +10,11 @@ where it was. Trained on SHAPES it composes on seeds where the cell-steps reader
 A shift that reads the word alone gives "of" one move for "left of" and "right of" both: on a
 stalled seed "of" took the horizontal move, half left and half right, and "left" and "right" stayed
 put. With ``shift_reads: word_and_previous`` the shift also reads the word before it, so "of" after
-"right" can move right (docs/results.md, issue 38).
+"right" can move right (docs/results.md, issue 38). But an added term for the word before lets a
+frequent word hold still every word after it: on a stalled seed "shape", which comes before every
+relation, pushed the next word to "no shift" by about 6 logits and no relation word ever moved. With
+``shift_reads: word_steered_by_previous`` the word alone decides how much of the set moves, and the
+word before only where it goes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from torch import nn
 from vlfuse.fusers.base import FUSERS
 from vlfuse.fusers.cell_steps import NEIGHBOURHOOD, CellStepsConfig, CellStepsFuser
 
+STAY = NEIGHBOURHOOD * NEIGHBOURHOOD // 2
+"""Index of "no shift" among the nine shifts (:meth:`CellMovesFuser.shift_steps`)."""
 STAY_BIAS = 4.0
 """Initial logit of "no shift" (the others start at 0): 0.87 of the kept set stays where it is, so
 the reader starts as the cell-steps reader does, and each one-cell shift gets 0.016, enough
@@ -39,12 +45,14 @@ class CellMovesConfig(CellStepsConfig):
 
     Attributes:
         shift_reads: what chooses a word's shift: ``word``, the word alone; ``word_and_previous``,
-            the word and the word before it in the question (its weights start at zero, so the reader
-            starts as with ``word``).
+            the word and the word before it in the question; ``word_steered_by_previous``, the word
+            alone for how much of the set moves, the word and the one before it for where it goes
+            (the word before cannot hold a word still). The word before's weights start at zero, so
+            the reader starts as with ``word``.
     """
 
     type: str = "cell_moves"
-    shift_reads: Literal["word", "word_and_previous"] = "word"
+    shift_reads: Literal["word", "word_and_previous", "word_steered_by_previous"] = "word"
 
     def build(self, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> "CellMovesFuser":
         return CellMovesFuser(self, dim, text_width=text_width, grid_size=grid_size)
@@ -56,7 +64,9 @@ class CellMovesFuser(CellStepsFuser):
     ``S_w(m)`` is the set shifted by the word: each cell takes ``sum_k p_k m[cell + offset_k]`` over
     the nine offsets of its neighbourhood (nothing comes from beyond the grid's edge), with
     ``p = softmax(W word)`` one distribution per word, whatever the image (``softmax(W word + V
-    previous word)`` with ``shift_reads: word_and_previous``). One offset that takes all the weight
+    previous word)`` with ``shift_reads: word_and_previous``; with ``word_steered_by_previous``,
+    ``p_stay`` is ``softmax(W word)``'s and the moves share the rest as ``softmax(W word + V previous
+    word)`` over the eight moves). One offset that takes all the weight
     moves the whole set exactly, as "right of" asks; "no shift" keeps it, as the cell-steps reader
     does. Everything else (finds, the shared block, the gate) is the cell-steps reader's.
 
@@ -68,17 +78,26 @@ class CellMovesFuser(CellStepsFuser):
         self.shift = nn.Linear(text_width, NEIGHBOURHOOD * NEIGHBOURHOOD)
         with torch.no_grad():
             self.shift.bias.zero_()
-            self.shift.bias[NEIGHBOURHOOD * NEIGHBOURHOOD // 2] = STAY_BIAS
+            self.shift.bias[STAY] = STAY_BIAS
         self.shift_previous = None
-        if config.shift_reads == "word_and_previous":  # zeros: draws nothing from the random generator
+        self.previous_steers_only = config.shift_reads == "word_steered_by_previous"
+        if config.shift_reads != "word":  # zeros: draws nothing from the random generator
             self.shift_previous = nn.Parameter(torch.zeros(NEIGHBOURHOOD * NEIGHBOURHOOD, text_width))
 
     def _shift_logits(self, text: torch.Tensor, t: int) -> torch.Tensor:
-        """The shift logits ``(Bq, 9)`` of word ``t`` of ``text`` ``(Bq, Lt, width)``."""
-        logits = self.shift(text[:, t])
-        if self.shift_previous is not None and t > 0:
-            logits = logits + F.linear(text[:, t - 1], self.shift_previous)
-        return logits
+        """The shift logits ``(Bq, 9)`` of word ``t`` of ``text`` ``(Bq, Lt, width)`` (unnormalised
+        but for ``word_steered_by_previous``, whose are log-probabilities)."""
+        own = self.shift(text[:, t])
+        if self.shift_previous is None or t == 0:
+            return own
+        previous = F.linear(text[:, t - 1], self.shift_previous)
+        if not self.previous_steers_only:
+            return own + previous
+        # The word's own weight on moving at all, shared among the eight moves as steered.
+        moves, steer = (torch.cat([x[:, :STAY], x[:, STAY + 1:]], dim=1) for x in (own, previous))  # (Bq, 8)
+        log_moves = (moves + steer).log_softmax(-1) + moves.logsumexp(-1, keepdim=True)
+        log_stay = own[:, STAY:STAY + 1]
+        return torch.cat([log_moves[:, :STAY], log_stay, log_moves[:, STAY:]], dim=1) - own.logsumexp(-1, keepdim=True)
 
     def shifts(self, text: torch.Tensor) -> torch.Tensor:
         """Each word's distribution over the nine shifts as the reader applies it in its question:

@@ -34,7 +34,15 @@ class CellStepsConfig(FuserConfig):
     gives the evidence that the question's set is not empty, for an existence head.
 
     Attributes:
-        heads: heads of the shared fusion block's attentions and of each word's find.
+        heads: heads of the shared fusion block's attentions (and of each word's find, unless
+            ``find_heads`` says otherwise).
+        find_heads: heads of each word's find, each ``fusion_dim / find_heads`` wide (default:
+            ``heads``). Wider heads keep more of what tells a circle from a square of the same
+            colour (docs/results.md, issue 38).
+        find_diversity_weight: weight of a penalty on distinct words whose finds look for the same
+            thing: over the pairs of distinct words in the batch, the mean of ``relu(c)^2``, ``c``
+            the cosine of the two words' find queries averaged over the heads (0: none). On stalled
+            seeds a circle and a square took the same query in every head.
         mlp_ratio: hidden width of the block's MLP as a multiple of the fusion width.
         mlp: the block's MLP: ``swiglu`` (products: "this cell is red" x "the question asks for
             red") or ``gelu``.
@@ -44,6 +52,8 @@ class CellStepsConfig(FuserConfig):
 
     type: str = "cell_steps"
     heads: int = 16
+    find_heads: int | None = None
+    find_diversity_weight: float = 0.0
     mlp_ratio: float = 2.0
     mlp: Literal["gelu", "swiglu"] = "swiglu"
     output_gate: bool = True
@@ -54,6 +64,9 @@ class CellStepsConfig(FuserConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_range("fuser.heads", self.heads, 1, MAX_HEADS)
+        check_range("fuser.find_heads", self.find_heads, 1, MAX_HEADS)
+        if not self.find_diversity_weight >= 0:
+            raise ValueError(f"fuser.find_diversity_weight must be >= 0, got {self.find_diversity_weight}")
 
     def build(self, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> "CellStepsFuser":
         return CellStepsFuser(self, dim, text_width=text_width, grid_size=grid_size)
@@ -66,7 +79,7 @@ class CellStepsFuser(Fuser):
     real word, last first:
 
     - the word, as the query of a 16-head attention over the patches (QK-normed), scores each
-      patch once per head (a find, 16 numbers per cell);
+      patch once per head (a find, 16 numbers per cell; ``find_heads`` of them if set);
     - each cell's input is a position, its 16 find scores and its own and its eight neighbours'
       ``m`` (zero beyond the grid's edge: a move), all modulated by the word (FiLM:
       ``x (1 + w) + w``); the cell sees the image only through the word's find;
@@ -108,11 +121,15 @@ class CellStepsFuser(Fuser):
         self.state_out = nn.Linear(d, 2)  # update gate and candidate logits
         with torch.no_grad():
             self.state_out.bias[0].fill_(GATE_BIAS)
+        self.find_heads = config.find_heads or config.heads
+        if d % self.find_heads:
+            raise ValueError(f"fuser.find_heads ({self.find_heads}) must divide the fusion width ({d})")
+        self.find_diversity_weight = config.find_diversity_weight
         self.find_query = nn.Linear(d, d)
         self.find_key = nn.Linear(d, d)
-        self.head_norm = nn.LayerNorm(d // self.heads)  # QK-norm, per head
-        self.find_out = nn.Linear(self.heads, 2)
-        self.find_in = nn.Linear(self.heads, d)  # the cells see the image only through the word's finds
+        self.head_norm = nn.LayerNorm(d // self.find_heads)  # QK-norm, per head
+        self.find_out = nn.Linear(self.find_heads, 2)
+        self.find_in = nn.Linear(self.find_heads, d)  # the cells see the image only through the word's finds
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Checkpoint the shared block at every word step (non-reentrant ``torch.utils.checkpoint``,
@@ -150,11 +167,30 @@ class CellStepsFuser(Fuser):
 
     def find_keys(self, patches: torch.Tensor) -> torch.Tensor:
         """Each head's QK-normed find key of each patch: ``(B, cells, d) -> (B, cells, H, d / H)``."""
-        return self.head_norm(self.find_key(patches).unflatten(-1, (self.heads, -1)))
+        return self.head_norm(self.find_key(patches).unflatten(-1, (self.find_heads, -1)))
 
     def find_queries(self, tokens: torch.Tensor) -> torch.Tensor:
         """Each head's QK-normed find query of each word: ``(..., d) -> (..., H, d / H)``."""
-        return self.head_norm(self.find_query(tokens).unflatten(-1, (self.heads, -1)))
+        return self.head_norm(self.find_query(tokens).unflatten(-1, (self.find_heads, -1)))
+
+    def find_query_overlap(self, text: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:
+        """How far distinct words' find queries point the same way: the mean, over the pairs of
+        distinct words among the real tokens of ``text`` ``(Bq, Lt, d)``, of ``relu(c)^2``, ``c`` the
+        cosine of the two words' queries averaged over the heads; 0 with fewer than two words.
+
+        The reader's words have no position or context, so a word's features are the same wherever
+        it comes; tokens whose features have a cosine above ``1 - 1e-4`` count as one word.
+        """
+        tokens = text[text_mask]  # (n, d)
+        unit = F.normalize(tokens.detach(), dim=-1)
+        same = unit @ unit.T > 1 - 1e-4  # (n, n)
+        first = ~torch.tril(same, diagonal=-1).any(dim=1)  # each word's first token
+        queries = F.normalize(self.find_queries(tokens[first]), dim=-1)  # (words, H, dh)
+        if len(queries) < 2:
+            return text.new_zeros(())
+        cosines = torch.einsum("ihe,jhe->ij", queries, queries) / queries.shape[1]  # (words, words)
+        distinct = ~torch.eye(len(queries), dtype=torch.bool, device=text.device)
+        return F.relu(cosines[distinct]).square().mean()
 
     def finds(self, tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
         """Each word's per-head scores of each patch: ``(Bq, Lt, d), (Bq, cells, d) -> (Bq, Lt, cells, H)``."""
@@ -223,4 +259,7 @@ class CellStepsFuser(Fuser):
             if draw:
                 drawn.append(weights.mean(2) * text_mask[:, t, None, None])  # (Bq, H, Li), 0 at padding
         attentions = {0: torch.stack(drawn[::-1], dim=2)} if draw else {}  # (Bq, H, Lt, Li)
-        return Fused(torch.logsumexp(log_m, dim=1), attentions)  # evidence (Bq,)
+        penalty = None
+        if self.training and self.find_diversity_weight > 0 and torch.is_grad_enabled():
+            penalty = self.find_diversity_weight * self.find_query_overlap(text, text_mask)
+        return Fused(torch.logsumexp(log_m, dim=1), attentions, auxiliary_loss=penalty)  # evidence (Bq,)
