@@ -80,7 +80,8 @@ def test_the_registries_hold_every_part_by_its_type():
 def test_a_mapping_becomes_the_config_of_its_type_and_to_dict_gives_it_back():
     config = FUSERS.parse({"type": "cell_steps", "heads": 8, "mlp": "gelu"})
     assert config == CellStepsConfig(heads=8, mlp="gelu")
-    assert config.to_dict() == {"type": "cell_steps", "heads": 8, "mlp_ratio": 2.0, "mlp": "gelu", "output_gate": True, "dropout": 0.0}
+    assert config.to_dict() == {"type": "cell_steps", "heads": 8, "find_heads": None, "find_diversity_weight": 0.0,
+                                "mlp_ratio": 2.0, "mlp": "gelu", "output_gate": True, "dropout": 0.0}
     assert list(config.to_dict()) == ["type", *options_of(CellStepsConfig)]  # type first
     assert FUSERS.parse(config.to_dict()) == config
     assert FUSERS.parse(config) is config  # a config is taken as it is
@@ -102,7 +103,7 @@ def test_an_unknown_option_is_named_with_the_options_of_the_part():
     with pytest.raises(ValueError, match=re.escape("a fuser of type 'fusion_stack' has no option depht, layers (its options: depth, heads,")):
         VLFuseConfig(fuser={"depht": 2, "layers": 1})
     # an option of another part: the cell-steps fuser has no depth, the pooled head no products
-    with pytest.raises(ValueError, match=re.escape("fuser: a fuser of type 'cell_steps' has no option depth (its options: heads, mlp_ratio, mlp, output_gate, dropout)")):
+    with pytest.raises(ValueError, match=re.escape("fuser: a fuser of type 'cell_steps' has no option depth (its options: heads, find_heads, find_diversity_weight, mlp_ratio, mlp, output_gate, dropout)")):
         VLFuseConfig(fuser={"type": "cell_steps", "depth": 2}, head={"type": "existence"})
     with pytest.raises(ValueError, match=re.escape("head: a head of type 'existence' has no option dropout (its options: none)")):
         HEADS.parse({"type": "existence", "dropout": 0.1})
