@@ -37,6 +37,24 @@ the reader starts as the cell-steps reader does, and each one-cell shift gets 0.
 gradient to be found."""
 
 
+def previous_added(own: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """``word_and_previous``: the word's shift logits ``(Bq, 9)`` plus the word before's."""
+    return own + previous
+
+
+def previous_steers(own: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """``word_steered_by_previous``: log-probabilities ``(Bq, 9)`` whose weight on no shift is the
+    word's own (``softmax(own)``'s), the rest shared among the eight moves as ``own + previous`` says."""
+    moves, steer = (torch.cat([x[:, :STAY], x[:, STAY + 1:]], dim=1) for x in (own, previous))  # (Bq, 8)
+    log_moves = (moves + steer).log_softmax(-1) + moves.logsumexp(-1, keepdim=True)
+    log_stay = own[:, STAY:STAY + 1]
+    return torch.cat([log_moves[:, :STAY], log_stay, log_moves[:, STAY:]], dim=1) - own.logsumexp(-1, keepdim=True)
+
+
+READS_PREVIOUS = {"word_and_previous": previous_added, "word_steered_by_previous": previous_steers}
+"""How each ``shift_reads`` that reads the word before combines it with the word's own logits."""
+
+
 @FUSERS.register
 @dataclass
 class CellMovesConfig(CellStepsConfig):
@@ -79,25 +97,17 @@ class CellMovesFuser(CellStepsFuser):
         with torch.no_grad():
             self.shift.bias.zero_()
             self.shift.bias[STAY] = STAY_BIAS
-        self.shift_previous = None
-        self.previous_steers_only = config.shift_reads == "word_steered_by_previous"
-        if config.shift_reads != "word":  # zeros: draws nothing from the random generator
+        self.shift_previous, self.read_previous = None, READS_PREVIOUS.get(config.shift_reads)
+        if self.read_previous is not None:  # zeros: draws nothing from the random generator
             self.shift_previous = nn.Parameter(torch.zeros(NEIGHBOURHOOD * NEIGHBOURHOOD, text_width))
 
     def _shift_logits(self, text: torch.Tensor, t: int) -> torch.Tensor:
-        """The shift logits ``(Bq, 9)`` of word ``t`` of ``text`` ``(Bq, Lt, width)`` (unnormalised
-        but for ``word_steered_by_previous``, whose are log-probabilities)."""
+        """The shift logits ``(Bq, 9)`` of word ``t`` of ``text`` ``(Bq, Lt, width)``, unnormalised
+        (:data:`READS_PREVIOUS` says how the word before counts)."""
         own = self.shift(text[:, t])
         if self.shift_previous is None or t == 0:
             return own
-        previous = F.linear(text[:, t - 1], self.shift_previous)
-        if not self.previous_steers_only:
-            return own + previous
-        # The word's own weight on moving at all, shared among the eight moves as steered.
-        moves, steer = (torch.cat([x[:, :STAY], x[:, STAY + 1:]], dim=1) for x in (own, previous))  # (Bq, 8)
-        log_moves = (moves + steer).log_softmax(-1) + moves.logsumexp(-1, keepdim=True)
-        log_stay = own[:, STAY:STAY + 1]
-        return torch.cat([log_moves[:, :STAY], log_stay, log_moves[:, STAY:]], dim=1) - own.logsumexp(-1, keepdim=True)
+        return self.read_previous(own, F.linear(text[:, t - 1], self.shift_previous))
 
     def shifts(self, text: torch.Tensor) -> torch.Tensor:
         """Each word's distribution over the nine shifts as the reader applies it in its question:

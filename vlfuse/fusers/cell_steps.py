@@ -184,10 +184,10 @@ class CellStepsFuser(Fuser):
         tokens = text[text_mask]  # (n, d)
         unit = F.normalize(tokens.detach(), dim=-1)
         same = unit @ unit.T > 1 - 1e-4  # (n, n)
-        first = ~torch.tril(same, diagonal=-1).any(dim=1)  # each word's first token
-        queries = F.normalize(self.find_queries(tokens[first]), dim=-1)  # (words, H, dh)
-        if len(queries) < 2:
+        words = tokens[~torch.tril(same, diagonal=-1).any(dim=1)]  # each word's first token
+        if len(words) < 2:
             return text.new_zeros(())
+        queries = F.normalize(self.find_queries(words), dim=-1)  # (words, H, dh)
         cosines = torch.einsum("ihe,jhe->ij", queries, queries) / queries.shape[1]  # (words, words)
         distinct = ~torch.eye(len(queries), dtype=torch.bool, device=text.device)
         return F.relu(cosines[distinct]).square().mean()
