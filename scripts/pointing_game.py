@@ -7,7 +7,8 @@ Reported per method and layer, per head (attention, gradcam), against three base
 map (the patch of its maximum drawn at random, seeded), the uniform map (its ties broken at
 random: the expected hit rate is the share of the patches that are the object's) and the centre patch.
 
-- ``--data easy_vqa``: the easy-VQA **test** split, "what shape / what color" questions; the image
+- ``--data easy_vqa``: the easy-VQA **test** split (``--split val``: the validation images that
+  ``vlfuse fit`` holds out of train by default), "what shape / what color" questions; the image
   holds one shape, whose pixels are those off the background (in the image as the model sees it),
   as ``vlfuse analyze`` counts them (:func:`vlfuse.analysis.head_stats.object_cells`).
 - ``--data shapes``: SHAPES **val** (never test), questions ``(is A B)`` whose first argument ``A``
@@ -38,6 +39,7 @@ from vlfuse.analysis.head_stats import object_cells
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.data.easy_vqa import load_easy_vqa, question_kind
 from vlfuse.data.shapes import CELL, denotation, load_released_split, parse_query, read_scene, to_english
+from vlfuse.datamodules import EasyVQADataModule
 from vlfuse.datamodules.shapes import find_shapes_dir
 
 RULES = HeadRules()
@@ -96,9 +98,11 @@ def hit(patch_map: np.ndarray, region: np.ndarray) -> bool:
     return bool(region.flat[int(np.argmax(patch_map))])
 
 
-def easy_vqa_items(limit_images: int | None) -> Iterator[Item]:
-    """The test split's "what" questions; the image holds one object."""
-    for record in load_easy_vqa("test")[:limit_images]:
+def easy_vqa_items(limit_images: int | None, split: str = "test") -> Iterator[Item]:
+    """The "what" questions of ``split``: ``test``, or ``val`` (the images :class:`EasyVQADataModule`
+    holds out of train by default); the image holds one object."""
+    records = load_easy_vqa("test") if split == "test" else EasyVQADataModule().load_records("val")
+    for record in records[:limit_images]:
         image = np.asarray(Image.open(record.image).convert("RGB"))
         for question in record.questions:
             if question_kind(question) in ("what colour", "what shape"):
@@ -226,6 +230,8 @@ def main() -> None:
     add_model_argument(parser)
     parser.add_argument("--data", choices=("easy_vqa", "shapes"), default="easy_vqa",
                         help="easy_vqa (test split, 'what' questions) or shapes (val split, one-object questions)")
+    parser.add_argument("--split", choices=("test", "val"), default="test",
+                        help="easy_vqa's split: test, or val (the images fit holds out of train by default)")
     parser.add_argument("--shapes-dir", type=Path, metavar="DIR",
                         help="the SHAPES files (default $VLFUSE_SHAPES_DIR, then ../shared/data/shapes)")
     parser.add_argument("--limit-images", type=int, default=None, metavar="N", help="only the first N images (easy-VQA) or rows (SHAPES)")
@@ -237,8 +243,10 @@ def main() -> None:
     torch.set_num_threads(runtime.DEFAULT_THREADS)
     model = load_model(args.model)
     if args.data == "easy_vqa":
-        items = list(easy_vqa_items(args.limit_images))
+        items = list(easy_vqa_items(args.limit_images, args.split))
     else:
+        if args.split != "test":
+            raise SystemExit("error: --split: SHAPES is always scored on its val split")
         try:
             items = list(shapes_items(find_shapes_dir(args.shapes_dir), args.limit_images))
         except (FileNotFoundError, ValueError) as err:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlfuse.analysis.explain import METHODS, MethodRefused, explain, weights_gradient
+from vlfuse.analysis.explain import METHODS, MethodRefused, Occlusion, explain, occluded_images, weights_gradient
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.layers import attention as attention_module
 from vlfuse.model import VLFuseModel
@@ -42,6 +42,7 @@ def image():
 
 
 FUSION_STACK_METHODS = [m for m in METHODS if m not in ("find_gradient", "reader_set")]  # those: the cell readers only
+TOKENLESS_METHODS = ("input_gradient", "occlusion")  # one map for the question, no heads, no tokens
 
 
 @pytest.mark.parametrize("method", FUSION_STACK_METHODS)
@@ -54,7 +55,7 @@ def test_each_method_gives_maps_per_head_and_token_and_a_question_map_that_sums_
     assert e.question_map.sum() == pytest.approx(1.0, abs=1e-5)
     assert e.patch_map().shape == GRID
     heads = HEADS if method in ("attention", "gradcam") else 1
-    if method == "input_gradient":
+    if method in TOKENLESS_METHODS:
         assert e.token_maps is None and e.token_patch_maps() is None
         assert e.question_map[:PREFIX].sum() == 0  # the prefix tokens have no pixels
     else:
@@ -118,6 +119,38 @@ def test_gradcam_is_attention_times_the_positive_gradient_of_the_answers_logit(i
     assert (by_hand > 0).any() and (by_hand == 0).any()  # the positive part, not all of it
 
 
+def test_each_occluded_image_differs_from_the_image_in_its_own_patch_painted_the_median_colour():
+    pixels = torch.rand(3, 10, 11) / 2
+    pixels[:, :, 4:] = torch.tensor([0.9, 0.8, 0.7])[:, None, None]  # most of the image one colour: the median
+    occluded = occluded_images(pixels, (2, 3))  # 10 x 11 pixels: rows 0-4 and 5-9, columns 0-2, 3-6 and 7-10
+    assert occluded.shape == (6, 3, 10, 11)
+    spans = [(slice(0, 5), slice(0, 3)), (slice(0, 5), slice(3, 7)), (slice(0, 5), slice(7, 11)),
+             (slice(5, 10), slice(0, 3)), (slice(5, 10), slice(3, 7)), (slice(5, 10), slice(7, 11))]
+    for image, (rows, cols) in zip(occluded, spans):
+        expected = pixels.clone()
+        expected[:, rows, cols] = torch.tensor([0.9, 0.8, 0.7])[:, None, None]
+        assert torch.equal(image, expected)
+
+
+def test_occlusion_is_how_much_painting_each_patch_lowers_the_answers_log_probability(model, image):
+    e = explain(model, image, QUESTION, "occlusion", answer="blue")
+    pixels = model.processor.image(image)
+    tokens = model.processor.tokenize([QUESTION] * 16)
+    with torch.no_grad():
+        log_p = lambda images: model(images, **tokens).logits.log_softmax(-1)[:, ANSWERS.index("blue")]  # noqa: E731
+        drops = log_p(pixels[None].expand(16, -1, -1, -1)) - log_p(occluded_images(pixels, GRID))  # (16,)
+    expected = drops.clamp_min(0) / drops.clamp_min(0).sum()
+    assert e.answer == "blue" and e.question_map[:PREFIX].sum() == 0
+    np.testing.assert_allclose(e.question_map[PREFIX:], expected.numpy(), atol=1e-5)
+    assert (drops < 0).any() and (drops > 0).any()  # both signs occur: the map keeps the falls only
+
+
+def test_occlusion_encodes_its_images_in_batches_and_gives_the_same_map(model, image, monkeypatch):
+    whole = explain(model, image, QUESTION, "occlusion")
+    monkeypatch.setattr("vlfuse.analysis.explain.OCCLUSION_BATCH", 5)  # 16 patches: batches of 5, 5, 5, 1
+    np.testing.assert_allclose(explain(model, image, QUESTION, "occlusion").question_map, whole.question_map, atol=1e-6)
+
+
 def test_rollout_of_one_layer_is_its_head_mean_attention(image):
     one = tiny_model(depth=1)
     rolled = explain(one, image, QUESTION, "rollout")
@@ -162,7 +195,7 @@ def test_the_command_writes_figures_maps_and_sidecar_and_prints_where(saved, tmp
     printed = capsys.readouterr()
     assert printed.out.startswith("answer: red (probability ")
     pngs = [f"shape_{m}_question.png" for m in FUSION_STACK_METHODS]
-    pngs += [f"shape_{m}_words.png" for m in FUSION_STACK_METHODS if m != "input_gradient"]
+    pngs += [f"shape_{m}_words.png" for m in FUSION_STACK_METHODS if m not in TOKENLESS_METHODS]
     for name in pngs + ["shape.npz", "shape.json"]:
         assert (out / name).is_file() and str(out / name) in printed.err, name
     assert "skipped find_gradient: method 'find_gradient' reads a cell reader" in printed.err
@@ -171,7 +204,7 @@ def test_the_command_writes_figures_maps_and_sidecar_and_prints_where(saved, tmp
     with np.load(out / "shape.npz") as maps:
         assert maps["gradcam_tokens"].shape == (HEADS, TOKENS, PREFIX + 16)
         assert maps["rollout_question"].sum() == pytest.approx(1.0, abs=1e-5)
-        assert "input_gradient_tokens" not in maps
+        assert "input_gradient_tokens" not in maps and "occlusion_tokens" not in maps
     sidecar = json.loads((out / "shape.json").read_text())
     assert sidecar["answer"] == "red" and len(sidecar["tokens"]) == TOKENS
     assert sidecar["methods"]["gradcam"]["layer"] == 1 and sidecar["methods"]["rollout"]["layer"] is None
@@ -185,6 +218,19 @@ def test_the_command_refuses_an_unknown_answer_in_one_line(saved, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "answer 'purple' is not one of the model's 6 answers" in err
     assert not (tmp_path / "maps").exists()
+
+
+def test_pointing_on_easy_vqa_val_reads_the_images_fit_holds_out_and_only_what_questions():
+    from vlfuse.data.easy_vqa import question_kind
+    from vlfuse.datamodules import EasyVQADataModule
+
+    pointing = load_script("pointing_game")
+    held_out = EasyVQADataModule().load_records("val")[:2]
+    items = list(pointing.easy_vqa_items(2, split="val"))
+    expected = [q for r in held_out for q in r.questions if question_kind(q) in ("what colour", "what shape")]
+    assert [item.question for item in items] == expected and expected
+    first = np.asarray(Image.open(held_out[0].image).convert("RGB"))
+    assert np.array_equal(items[0].image, first)
 
 
 def test_pointing_hits_where_the_maximum_falls_on_the_object():
@@ -212,7 +258,7 @@ def test_pointing_scores_count_every_question_for_every_method_and_baseline(mode
                                                     scores.refused)
     assert left_out == 1 and list(refused) == ["find_gradient", "reader_set"]  # nothing to point at; no cell reader
     assert set(methods) == {"attention layer 0", "attention layer 1", "gradcam layer 0", "gradcam layer 1",
-                            "rollout", "input_gradient"}
+                            "rollout", "input_gradient", "occlusion"}
     assert all(total == len(items) and 0 <= touch <= total and strict <= touch
                for touch, strict, total in methods.values())
     assert len(heads) == 4 * HEADS
@@ -354,7 +400,7 @@ def test_pointing_scores_a_shapes_cell_reader_by_the_methods_it_takes_and_says_w
     items = list(pointing.shapes_items(SHARED / "data" / "shapes", 32))
     scores = pointing.score(model, items, seed=0)
     methods, heads, left_out, refused = scores.methods, scores.heads, scores.left_out, scores.refused
-    assert set(methods) == {"attention layer 0", "rollout", "input_gradient", "find_gradient", "reader_set"}
+    assert set(methods) == {"attention layer 0", "rollout", "input_gradient", "occlusion", "find_gradient", "reader_set"}
     assert list(refused) == ["gradcam"] and "fuser 'cell_moves' does not keep them" in refused["gradcam"]
     assert all(total == len(items) - left_out for *_, total in methods.values())
     assert len(heads) == 32 and sum(key.startswith("find_gradient find head") for key in heads) == 16

@@ -1,4 +1,4 @@
-"""Why a model gave an answer: maps over the image of where the question looked, six ways.
+"""Why a model gave an answer: maps over the image of where the question looked, seven ways.
 
 Every method works through the model's public stages (:meth:`~vlfuse.model.VLFuseModel.encode_images`,
 ``encode_questions``, ``fuse`` with ``weights_from``, ``read_out``); none patches a layer:
@@ -11,6 +11,9 @@ Every method works through the model's public stages (:meth:`~vlfuse.model.VLFus
   Zuidema 2020), each layer mixed half and half with the identity (the residual stream).
 - :class:`InputGradient` (``input_gradient``): ``|dy/dpixels|`` pooled onto the patch grid, a
   baseline that ignores attention (one map for the question: no heads, no tokens).
+- :class:`Occlusion` (``occlusion``): each patch painted over in turn with the image's median
+  colour, and how much the answer's log-probability falls (Zeiler and Fergus 2014): reads no
+  attention, only what the answer depends on (one map for the question: no heads, no tokens).
 - :class:`FindGradient` (``find_gradient``): for the SHAPES cell readers, which see the image only
   through each word's finds: each find's share in the answer's log-probability, per find head.
 - :class:`ReaderSet` (``reader_set``): for the cell readers, the soft set they hold once each word
@@ -45,6 +48,8 @@ from vlfuse.model import ImageContext, VLFuseModel
 
 RESIDUAL_SHARE = 0.5
 """In rollout, the share of a token's state that a layer keeps (the identity of ``0.5 A + 0.5 I``)."""
+OCCLUSION_BATCH = 32
+"""Occluded images :class:`Occlusion` encodes at once (its memory: ViT-B at 224 px has 196 patches)."""
 
 
 class MethodRefused(ValueError):
@@ -262,6 +267,58 @@ class InputGradient(ExplanationMethod):
         return MethodResult(None, torch.cat([prefix, patches]), logits.detach(), chosen)
 
 
+class Occlusion(ExplanationMethod):
+    """Occlusion sensitivity (Zeiler and Fergus 2014): each patch of the grid in turn painted over
+    with the image's median colour (per channel); a patch's value is how much that lowers the log-
+    probability of the chosen answer. One map for the question: no heads, no tokens.
+
+    It reads no attention, so it sees what an attention map over the image encoder's output tokens
+    cannot: a token that the encoder's own self-attention filled with another patch's content. The
+    median colour is that of most of the image (the background of an easy-VQA or SHAPES image), so
+    painting over a patch that shows nothing the answer needs changes little. The log-probability
+    rather than the logit, as in :class:`FindGradient`: an existence head's "false" logit is a
+    constant. Costs a forward pass per patch, :data:`OCCLUSION_BATCH` images at a time.
+    """
+
+    name = "occlusion"
+
+    def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        with torch.no_grad():
+            logits, _ = self.fused_logits(model, inputs, model.encode_images(inputs.pixels), [])
+            chosen = _chosen(logits, inputs)
+            occluded = occluded_images(inputs.pixels[0], tuple(model.image_encoder.grid_size))  # (patches, 3, S, S)
+            log_probs = torch.cat([
+                answer_log_probs(model, inputs, occluded[start:start + OCCLUSION_BATCH], chosen)
+                for start in range(0, len(occluded), OCCLUSION_BATCH)
+            ])  # (patches,)
+        drops = logits.log_softmax(-1)[chosen] - log_probs
+        prefix = drops.new_zeros(model.attention_prefix_tokens)
+        return MethodResult(None, torch.cat([prefix, drops]), logits, chosen)
+
+
+def occluded_images(pixels: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """``pixels`` ``(3, S, S)`` once per patch of ``grid`` ``(rows, cols)``, that patch painted with the
+    median of each channel: ``(rows * cols, 3, S, S)``, row by row. A patch spans ``S / rows`` by
+    ``S / cols`` pixels, rounded down at its edges (the grid of an image size the patches do not divide)."""
+    rows, cols = grid
+    height, width = pixels.shape[1:]
+    fill = pixels.flatten(1).median(-1).values[:, None, None]  # (3, 1, 1)
+    occluded = pixels.repeat(rows * cols, 1, 1, 1)
+    for cell, image in enumerate(occluded):
+        r, c = divmod(cell, cols)
+        image[:, r * height // rows:(r + 1) * height // rows, c * width // cols:(c + 1) * width // cols] = fill
+    return occluded
+
+
+def answer_log_probs(model: VLFuseModel, inputs: Prepared, pixels: torch.Tensor, answer: int) -> torch.Tensor:
+    """The log-probability ``(n,)`` of ``answer`` to the question of ``inputs`` about each of ``pixels`` ``(n, 3, S, S)``."""
+    count = len(pixels)
+    text = model.encode_questions(inputs.input_ids, inputs.text_mask.long()).expand(count, -1, -1)  # (n, Lt, D)
+    mask = inputs.text_mask.expand(count, -1)
+    fused = model.fuse(text, mask, model.encode_images(pixels))
+    return model.read_out(fused.output, mask).log_softmax(-1)[:, answer]
+
+
 class FindGradient(ExplanationMethod):
     """The SHAPES cell readers' answer traced to each word's finds: ``relu(s * d log p / ds)`` per
     find head, word and cell, ``s`` the word's find score of the cell (:meth:`CellStepsFuser.finds`)
@@ -326,7 +383,9 @@ def read_by_cells(model: VLFuseModel, inputs: Prepared, method: str) -> tuple[Ce
 
 
 METHODS: dict[str, type[ExplanationMethod]] = {
-    method.name: method for method in (RawAttention, AttentionGradient, Rollout, InputGradient, FindGradient, ReaderSet)
+    method.name: method for method in (
+        RawAttention, AttentionGradient, Rollout, InputGradient, Occlusion, FindGradient, ReaderSet
+    )
 }
 """The explanation methods by name."""
 
