@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlfuse.analysis.explain import METHODS, MethodRefused, Occlusion, explain, occluded_images, weights_gradient
+from vlfuse.analysis.explain import METHODS, MethodRefused, explain, log_odds, occluded_images, weights_gradient
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.layers import attention as attention_module
 from vlfuse.model import VLFuseModel
@@ -132,17 +132,25 @@ def test_each_occluded_image_differs_from_the_image_in_its_own_patch_painted_the
         assert torch.equal(image, expected)
 
 
-def test_occlusion_is_how_much_painting_each_patch_lowers_the_answers_log_probability(model, image):
+def test_occlusion_is_how_much_painting_each_patch_changes_the_answers_log_odds_either_way(model, image):
     e = explain(model, image, QUESTION, "occlusion", answer="blue")
     pixels = model.processor.image(image)
     tokens = model.processor.tokenize([QUESTION] * 16)
+    blue = ANSWERS.index("blue")
     with torch.no_grad():
-        log_p = lambda images: model(images, **tokens).logits.log_softmax(-1)[:, ANSWERS.index("blue")]  # noqa: E731
-        drops = log_p(pixels[None].expand(16, -1, -1, -1)) - log_p(occluded_images(pixels, GRID))  # (16,)
-    expected = drops.clamp_min(0) / drops.clamp_min(0).sum()
+        def odds(images):  # log(p / (1 - p)) of "blue", from the probabilities
+            p = model(images, **tokens).logits.double().softmax(-1)[:, blue]
+            return (p / (1 - p)).log()
+
+        changes = odds(occluded_images(pixels, GRID)) - odds(pixels[None].expand(16, -1, -1, -1))  # (16,)
+    assert (changes < 0).any() and (changes > 0).any()  # painting lowers the odds here, raises them there
     assert e.answer == "blue" and e.question_map[:PREFIX].sum() == 0
-    np.testing.assert_allclose(e.question_map[PREFIX:], expected.numpy(), atol=1e-5)
-    assert (drops < 0).any() and (drops > 0).any()  # both signs occur: the map keeps the falls only
+    np.testing.assert_allclose(e.question_map[PREFIX:], (changes.abs() / changes.abs().sum()).numpy(), atol=1e-5)
+
+
+def test_log_odds_of_a_confident_answer_do_not_round_away():
+    logits = torch.tensor([[30.0, 0.0, -2.0], [0.0, 0.0, 0.0]])  # p = 1 - 1e-13 rounds to 1 in float32
+    np.testing.assert_allclose(log_odds(logits, 0), [30 - np.log(1 + np.exp(-2)), -np.log(2)], rtol=1e-6)
 
 
 def test_occlusion_encodes_its_images_in_batches_and_gives_the_same_map(model, image, monkeypatch):

@@ -12,7 +12,7 @@ Every method works through the model's public stages (:meth:`~vlfuse.model.VLFus
 - :class:`InputGradient` (``input_gradient``): ``|dy/dpixels|`` pooled onto the patch grid, a
   baseline that ignores attention (one map for the question: no heads, no tokens).
 - :class:`Occlusion` (``occlusion``): each patch painted over in turn with the image's median
-  colour, and how much the answer's log-probability falls (Zeiler and Fergus 2014): reads no
+  colour, and how much the answer's log-odds change (Zeiler and Fergus 2014): reads no
   attention, only what the answer depends on (one map for the question: no heads, no tokens).
 - :class:`FindGradient` (``find_gradient``): for the SHAPES cell readers, which see the image only
   through each word's finds: each find's share in the answer's log-probability, per find head.
@@ -269,15 +269,19 @@ class InputGradient(ExplanationMethod):
 
 class Occlusion(ExplanationMethod):
     """Occlusion sensitivity (Zeiler and Fergus 2014): each patch of the grid in turn painted over
-    with the image's median colour (per channel); a patch's value is how much that lowers the log-
-    probability of the chosen answer. One map for the question: no heads, no tokens.
+    with the image's median colour (per channel); a patch's value is how much that changes the
+    log-odds of the chosen answer (:func:`log_odds`), either way. One map for the question: no
+    heads, no tokens.
 
     It reads no attention, so it sees what an attention map over the image encoder's output tokens
     cannot: a token that the encoder's own self-attention filled with another patch's content. The
     median colour is that of most of the image (the background of an easy-VQA or SHAPES image), so
-    painting over a patch that shows nothing the answer needs changes little. The log-probability
-    rather than the logit, as in :class:`FindGradient`: an existence head's "false" logit is a
-    constant. Costs a forward pass per patch, :data:`OCCLUSION_BATCH` images at a time.
+    painting over a patch that shows nothing the answer needs changes little. Either way, because
+    painting over part of an object can make a model surer of the object's colour or shape: a map
+    of the falls alone is then flat. The log-odds rather than the logit, because an existence head's
+    "false" logit is a constant (as in :class:`FindGradient`); rather than the log-probability,
+    which saturates for a confident answer (at ``p = 0.9999`` a change of 1 in the log-odds moves
+    ``log p`` by about 2e-4). Costs a forward pass per patch, :data:`OCCLUSION_BATCH` images at a time.
     """
 
     name = "occlusion"
@@ -287,13 +291,13 @@ class Occlusion(ExplanationMethod):
             logits, _ = self.fused_logits(model, inputs, model.encode_images(inputs.pixels), [])
             chosen = _chosen(logits, inputs)
             occluded = occluded_images(inputs.pixels[0], tuple(model.image_encoder.grid_size))  # (patches, 3, S, S)
-            log_probs = torch.cat([
-                answer_log_probs(model, inputs, occluded[start:start + OCCLUSION_BATCH], chosen)
+            occluded_odds = torch.cat([
+                log_odds(answer_logits(model, inputs, occluded[start:start + OCCLUSION_BATCH]), chosen)
                 for start in range(0, len(occluded), OCCLUSION_BATCH)
             ])  # (patches,)
-        drops = logits.log_softmax(-1)[chosen] - log_probs
-        prefix = drops.new_zeros(model.attention_prefix_tokens)
-        return MethodResult(None, torch.cat([prefix, drops]), logits, chosen)
+        changes = (occluded_odds - log_odds(logits[None], chosen)).abs()
+        prefix = changes.new_zeros(model.attention_prefix_tokens)
+        return MethodResult(None, torch.cat([prefix, changes]), logits, chosen)
 
 
 def occluded_images(pixels: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
@@ -310,13 +314,19 @@ def occluded_images(pixels: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor
     return occluded
 
 
-def answer_log_probs(model: VLFuseModel, inputs: Prepared, pixels: torch.Tensor, answer: int) -> torch.Tensor:
-    """The log-probability ``(n,)`` of ``answer`` to the question of ``inputs`` about each of ``pixels`` ``(n, 3, S, S)``."""
+def answer_logits(model: VLFuseModel, inputs: Prepared, pixels: torch.Tensor) -> torch.Tensor:
+    """The answer logits ``(n, num_answers)`` to the question of ``inputs`` about each of ``pixels`` ``(n, 3, S, S)``."""
     count = len(pixels)
     text = model.encode_questions(inputs.input_ids, inputs.text_mask.long()).expand(count, -1, -1)  # (n, Lt, D)
     mask = inputs.text_mask.expand(count, -1)
-    fused = model.fuse(text, mask, model.encode_images(pixels))
-    return model.read_out(fused.output, mask).log_softmax(-1)[:, answer]
+    return model.read_out(model.fuse(text, mask, model.encode_images(pixels)).output, mask)
+
+
+def log_odds(logits: torch.Tensor, answer: int) -> torch.Tensor:
+    """``log(p / (1 - p))`` ``(n,)`` of ``answer`` from ``logits`` ``(n, num_answers)``: its logit less the
+    log-sum-exp of the others', exact where ``p`` rounds to 1 in float32 (a confident answer)."""
+    others = torch.cat([logits[:, :answer], logits[:, answer + 1:]], dim=1)
+    return logits[:, answer] - others.logsumexp(-1)
 
 
 class FindGradient(ExplanationMethod):
