@@ -5,7 +5,9 @@ draws its map of the whole question; a hit is a maximum in a patch of the object
 (:data:`SHARES`): the patch touches the object, or at least 25% of it is the object.
 Reported per method and layer, per head (attention, gradcam), against three baselines: a random
 map (the patch of its maximum drawn at random, seeded), the uniform map (its ties broken at
-random: the expected hit rate is the share of the patches that are the object's) and the centre patch.
+random: the expected hit rate is the share of the patches that are the object's) and the centre patch;
+with ``--untrained-baseline``, also every method on an untrained model of the same architecture
+(Adebayo et al. 2018's sanity check: a method that points as well there reads the image, not the model).
 
 - ``--data easy_vqa``: the easy-VQA **test** split (``--split val``: the validation images that
   ``vlfuse fit`` holds out of train by default), "what shape / what color" questions; the image
@@ -33,7 +35,7 @@ from _common import add_model_argument, load_model
 from PIL import Image
 
 from vlfuse import runtime
-from vlfuse.analysis.explain import METHODS, MethodRefused, explain_pixels
+from vlfuse.analysis.explain import METHODS, MethodRefused, explain_pixels, untrained_copy
 from vlfuse.analysis.head_roles import HeadRules
 from vlfuse.analysis.head_stats import object_cells
 from vlfuse.analysis.tables import markdown_table
@@ -200,6 +202,14 @@ def score(model, items: list[Item], seed: int) -> Scores:
     return Scores(methods, heads, baselines, dict(sorted(by_answer.items())), left_out, refused)
 
 
+def add_untrained_baseline(scores: Scores, model, items: list[Item], seed: int) -> None:
+    """Score every method on an untrained model of ``model``'s architecture (:func:`untrained_copy`,
+    drawn with ``seed``) and add each as a baseline, ``untrained model: METHOD``: what a method
+    scores without anything learnt, from the image alone."""
+    untrained = score(untrained_copy(model, seed), items, seed)
+    scores.baselines.update({f"untrained model: {name}": counts for name, counts in untrained.methods.items()})
+
+
 def rates(counts: list) -> list[str]:
     """The hit rate by each of SHARES, formatted."""
     return [f"{hits / counts[-1]:.4f}" if counts[-1] else "nan" for hits in counts[:-1]]
@@ -236,6 +246,9 @@ def main() -> None:
                         help="the SHAPES files (default $VLFUSE_SHAPES_DIR, then ../shared/data/shapes)")
     parser.add_argument("--limit-images", type=int, default=None, metavar="N", help="only the first N images (easy-VQA) or rows (SHAPES)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-map baseline (default 0)")
+    parser.add_argument("--untrained-baseline", action="store_true",
+                        help="also score every method on an untrained model of the same architecture (seeded by "
+                             "--seed): a method that points as well there reads the image, not the model")
     parser.add_argument("--by-answer", action="store_true", help="also each method's hit rate by the model's answer")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the counts as JSON here")
     args = parser.parse_args()
@@ -254,6 +267,8 @@ def main() -> None:
     if not items:
         raise SystemExit(f"error: --data {args.data}: no question about one object")
     scores = score(model, items, args.seed)
+    if args.untrained_baseline:
+        add_untrained_baseline(scores, model, items, args.seed)
     print(report(scores, args.by_answer))
     for name, why in scores.refused.items():
         print(f"\n{name}: not scored, this model refuses it: {why}")

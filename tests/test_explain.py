@@ -8,7 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vlfuse.analysis.explain import METHODS, MethodRefused, explain, log_odds, occluded_images, weights_gradient
+from vlfuse.analysis.explain import (
+    METHODS, MethodRefused, explain, log_odds, occluded_images, untrained_copy, weights_gradient,
+)
 from vlfuse.cli import main as vlfuse_main
 from vlfuse.layers import attention as attention_module
 from vlfuse.model import VLFuseModel
@@ -239,6 +241,36 @@ def test_pointing_on_easy_vqa_val_reads_the_images_fit_holds_out_and_only_what_q
     assert [item.question for item in items] == expected and expected
     first = np.asarray(Image.open(held_out[0].image).convert("RGB"))
     assert np.array_equal(items[0].image, first)
+
+
+def test_an_untrained_copy_has_the_architecture_and_tokenizer_and_fresh_seeded_weights(saved):
+    trained = VLFuseModel.from_pretrained(saved[0])
+    before = {k: v.clone() for k, v in trained.state_dict().items()}
+    state = torch.random.get_rng_state()
+    first, again, other = untrained_copy(trained, 1), untrained_copy(trained, 1), untrained_copy(trained, 2)  # the
+    # tiny model was itself drawn with seed 0
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global random state is left alone
+    assert not first.training and first.answers == trained.answers
+    assert first.processor.tokenize([QUESTION])["input_ids"].tolist() == trained.processor.tokenize([QUESTION])["input_ids"].tolist()
+    fresh, twin, third = first.state_dict(), again.state_dict(), other.state_dict()
+    assert {k: v.shape for k, v in fresh.items()} == {k: v.shape for k, v in before.items()}
+    assert all(torch.equal(fresh[k], twin[k]) for k in fresh)  # the seed draws the weights
+    weights = [k for k in fresh if k.endswith("q_proj.weight")]
+    assert weights and not any(torch.equal(fresh[k], before[k]) or torch.equal(fresh[k], third[k]) for k in weights)
+    assert all(torch.equal(v, before[k]) for k, v in trained.state_dict().items())  # the trained model is untouched
+
+
+def test_the_untrained_baseline_scores_every_method_on_an_untrained_model(model):
+    pointing = load_script("pointing_game")
+    scene = np.full((32, 32, 3), 255, dtype=np.uint8)
+    scene[8:24, 8:24] = (200, 30, 30)
+    items = [pointing.Item(scene, q) for q in QUESTIONS]
+    scores = pointing.score(model, items, seed=3)
+    pointing.add_untrained_baseline(scores, model, items, seed=3)
+    untrained = {k.removeprefix("untrained model: "): c for k, c in scores.baselines.items() if k.startswith("untrained")}
+    assert set(untrained) == set(scores.methods) and all(c[-1] == len(items) for c in untrained.values())
+    assert untrained == pointing.score(untrained_copy(model, 3), items, seed=3).methods
+    assert "| baseline: untrained model: occlusion |" in pointing.report(scores)
 
 
 def test_pointing_hits_where_the_maximum_falls_on_the_object():

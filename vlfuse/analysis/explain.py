@@ -400,6 +400,21 @@ METHODS: dict[str, type[ExplanationMethod]] = {
 """The explanation methods by name."""
 
 
+def untrained_copy(model: VLFuseModel, seed: int = 0) -> VLFuseModel:
+    """A model of ``model``'s architecture, answers and processor with freshly initialised weights
+    (drawn with ``seed``; no pretrained weights loaded), in eval mode: the model randomisation
+    check of Adebayo et al. 2018, "Sanity checks for saliency maps". A method whose maps of this
+    model point as well as its maps of ``model`` shows the image, not what the model learnt.
+    The global random state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        copy = VLFuseModel(
+            model.config, model.answers, model.processor,
+            text_hf_config=model.text_encoder.model.config, load_pretrained=False,
+        )
+    return copy.to(next(model.parameters()).device).eval()
+
+
 def chosen_index(layer: int | None, layers: int, what: str) -> int:
     """``layer`` of ``layers`` as an index in ``0..layers - 1`` (``None``: the last; negative: from the end).
 
