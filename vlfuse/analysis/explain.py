@@ -282,6 +282,10 @@ class Occlusion(ExplanationMethod):
     "false" logit is a constant (as in :class:`FindGradient`); rather than the log-probability,
     which saturates for a confident answer (at ``p = 0.9999`` a change of 1 in the log-odds moves
     ``log p`` by about 2e-4). Costs a forward pass per patch, :data:`OCCLUSION_BATCH` images at a time.
+
+    A patch already of the median colour is left unchanged and scores 0: on one object on a plain
+    ground, the map can point only at the object's patches, whatever the model learnt (an untrained
+    model's map does too: ``scripts/pointing_game.py --untrained-baseline``).
     """
 
     name = "occlusion"
