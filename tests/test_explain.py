@@ -150,9 +150,10 @@ def test_occlusion_is_how_much_painting_each_patch_changes_the_answers_log_odds_
     np.testing.assert_allclose(e.question_map[PREFIX:], (changes.abs() / changes.abs().sum()).numpy(), atol=1e-5)
 
 
-def test_log_odds_of_a_confident_answer_do_not_round_away():
+def test_log_odds_of_a_confident_answer_do_not_round_away_and_take_a_class_per_row():
     logits = torch.tensor([[30.0, 0.0, -2.0], [0.0, 0.0, 0.0]])  # p = 1 - 1e-13 rounds to 1 in float32
     np.testing.assert_allclose(log_odds(logits, 0), [30 - np.log(1 + np.exp(-2)), -np.log(2)], rtol=1e-6)
+    np.testing.assert_allclose(log_odds(logits, torch.tensor([2, 1])), [-2 - np.log(np.exp(30) + 1), -np.log(2)], rtol=1e-6)
 
 
 def test_occlusion_encodes_its_images_in_batches_and_gives_the_same_map(model, image, monkeypatch):
@@ -361,14 +362,14 @@ def tiny_caption_model():
     return CaptionModel.from_config(config, ["a red square .", "there is a blue circle ."]).eval()
 
 
-@pytest.mark.parametrize("method", ["attention", "gradcam", "input_gradient"])
+@pytest.mark.parametrize("method", ["attention", "gradcam", "input_gradient", "occlusion"])
 def test_a_caption_gets_a_map_per_generated_word(method):
     from vlfuse.analysis.explain_caption import explain_caption
 
     model = tiny_caption_model()
     pixels = torch.rand(1, 3, 30, 30, generator=torch.Generator().manual_seed(0))
     e = explain_caption(model, pixels, method)
-    heads = 16 if method != "input_gradient" else 1
+    heads = 16 if method in ("attention", "gradcam") else 1
     assert e.token_maps.shape == (heads, len(e.words), 1 + 9) and len(e.words) >= 1
     assert e.caption_map.sum() == pytest.approx(1.0, abs=1e-5) and (e.token_maps >= 0).all()
     if method == "attention":
@@ -413,6 +414,25 @@ def test_rollout_does_not_explain_captions():
         explain_caption(tiny_caption_model(), torch.rand(1, 3, 30, 30), "rollout")
 
 
+def test_a_caption_words_occlusion_is_how_much_painting_each_patch_changes_its_log_odds_where_written():
+    from vlfuse.analysis.explain_caption import explain_caption
+
+    model = tiny_caption_model()
+    pixels = torch.rand(1, 3, 30, 30, generator=torch.Generator().manual_seed(0))
+    e = explain_caption(model, pixels, "occlusion")
+    ids = torch.tensor(model.tokenizer.convert_tokens_to_ids(e.words))  # (T,)
+    inputs = torch.cat([ids.new_tensor([model.bos_id]), ids[:-1]])[None]  # (1, T): what wrote each word
+    with torch.no_grad():
+        def odds(images):  # (n, T): log(p / (1 - p)) of each written word, from the probabilities
+            p = model(images, inputs.expand(len(images), -1)).double().softmax(-1).gather(-1, ids.expand(len(images), -1)[..., None])[..., 0]
+            return (p / (1 - p)).log()
+
+        changes = (odds(occluded_images(pixels[0], (3, 3))) - odds(pixels)).abs()  # (9, T)
+    assert e.layer is None and e.heads == ["occlusion (heads mixed)"]
+    assert e.token_maps[0, :, 0].sum() == 0  # the prefix token has no pixels
+    np.testing.assert_allclose(e.token_maps[0, :, 1:], changes.T.numpy(), rtol=1e-3, atol=1e-4)
+
+
 def test_the_command_explains_each_word_of_a_caption_model(tmp_path, capsys):
     model_dir = tiny_caption_model().save_pretrained(tmp_path / "captions")
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 30, 3), dtype=np.uint8)).save(tmp_path / "scene.png")
@@ -421,7 +441,7 @@ def test_the_command_explains_each_word_of_a_caption_model(tmp_path, capsys):
     assert vlfuse_main(argv) == 0
     printed = capsys.readouterr()
     assert printed.out.startswith("caption: ")
-    names = [f"scene_{m}_{kind}.png" for m in ("attention", "gradcam", "input_gradient") for kind in ("caption", "words")]
+    names = [f"scene_{m}_{kind}.png" for m in ("attention", "gradcam", "input_gradient", "occlusion") for kind in ("caption", "words")]
     for name in names + ["scene.npz", "scene.json"]:
         assert (out / name).is_file() and str(out / name) in printed.err, name
     sidecar = json.loads((out / "scene.json").read_text())

@@ -326,11 +326,13 @@ def answer_logits(model: VLFuseModel, inputs: Prepared, pixels: torch.Tensor) ->
     return model.read_out(model.fuse(text, mask, model.encode_images(pixels)).output, mask)
 
 
-def log_odds(logits: torch.Tensor, answer: int) -> torch.Tensor:
-    """``log(p / (1 - p))`` ``(n,)`` of ``answer`` from ``logits`` ``(n, num_answers)``: its logit less the
-    log-sum-exp of the others', exact where ``p`` rounds to 1 in float32 (a confident answer)."""
-    others = torch.cat([logits[:, :answer], logits[:, answer + 1:]], dim=1)
-    return logits[:, answer] - others.logsumexp(-1)
+def log_odds(logits: torch.Tensor, answer: int | torch.Tensor) -> torch.Tensor:
+    """``log(p / (1 - p))`` of ``answer`` from ``logits`` ``(..., classes)``: its logit less the
+    log-sum-exp of the others', exact where ``p`` rounds to 1 in float32 (a confident answer).
+    ``answer``: one class for every row, or a class per row (``(...)``, broadcast) -> ``(...)``."""
+    index = torch.as_tensor(answer, device=logits.device).expand(logits.shape[:-1])[..., None]  # (..., 1)
+    others = logits.scatter(-1, index, float("-inf"))
+    return logits.gather(-1, index)[..., 0] - others.logsumexp(-1)
 
 
 class FindGradient(ExplanationMethod):

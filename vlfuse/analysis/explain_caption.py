@@ -9,7 +9,10 @@ it at the position that wrote it:
 - ``gradcam``: ``A * relu(dy_t/dA)`` summed over the positions up to ``t`` (the causal
   self-attention lets earlier positions' reading reach word ``t``), per head; ``dy_t/dA`` is read
   through the block's values as for answers (:func:`~vlfuse.analysis.explain.weights_gradient`);
-- ``input_gradient``: ``|dy_t/dpixels|`` pooled onto the patch grid.
+- ``input_gradient``: ``|dy_t/dpixels|`` pooled onto the patch grid;
+- ``occlusion``: how much painting each patch over (the image's median colour, as for answers,
+  :class:`~vlfuse.analysis.explain.Occlusion`) changes word ``t``'s log-odds where it was written,
+  either way, with the caption kept as it was (teacher forcing over each painted image).
 
 ``rollout`` is refused: the decoder's causal self-attention mixes the words, and its weights are
 not returned.
@@ -24,12 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vlfuse.analysis.explain import chosen_index, distribution, weights_gradient
+from vlfuse.analysis.explain import OCCLUSION_BATCH, chosen_index, distribution, log_odds, occluded_images, weights_gradient
 from vlfuse.captioning.generate import greedy
 from vlfuse.captioning.model import CaptionModel
 from vlfuse.model import ImageContext
 
-CAPTION_METHODS = ("attention", "gradcam", "input_gradient")
+CAPTION_METHODS = ("attention", "gradcam", "input_gradient", "occlusion")
 """The methods that explain a caption's words."""
 
 
@@ -42,12 +45,12 @@ class CaptionExplanation:
         caption: the caption's text.
         words: the generated tokens (the end token too, when written).
         token_maps: ``(heads, words, Li)`` each word's map per head over the image tokens (prefix
-            tokens first, then the patch grid); one "head" for ``input_gradient``.
+            tokens first, then the patch grid); one "head" for ``input_gradient`` and ``occlusion``.
         caption_map: ``(Li,)`` the whole caption's map: the mean over heads and words, summing to 1.
         grid: ``(rows, cols)`` of the patch grid.
         num_prefix_tokens: image tokens before the grid.
         heads: labels of the ``heads`` rows.
-        layer: the decoder block read (``None`` for ``input_gradient``).
+        layer: the decoder block read (``None`` for ``input_gradient`` and ``occlusion``).
     """
 
     method: str
@@ -82,7 +85,8 @@ def explain_caption(model: CaptionModel, pixels: torch.Tensor, method: str = "gr
     inputs = torch.cat([ids.new_full((1, 1), model.bos_id), ids[:, :-1]], dim=1)  # (1, T): what wrote each word
     maps = _MAPS[method](model, pixels, inputs, ids[0], chosen)  # (heads, T, Li)
     encoder = model.image_encoder
-    heads = [f"head {h}" for h in range(len(maps))] if method != "input_gradient" else [f"{method} (heads mixed)"]
+    per_block = method in ("attention", "gradcam")
+    heads = [f"head {h}" for h in range(len(maps))] if per_block else [f"{method} (heads mixed)"]
     return CaptionExplanation(
         method=method,
         caption=caption.text,
@@ -92,7 +96,7 @@ def explain_caption(model: CaptionModel, pixels: torch.Tensor, method: str = "gr
         grid=tuple(encoder.grid_size),
         num_prefix_tokens=encoder.num_prefix_tokens,
         heads=heads,
-        layer=None if method == "input_gradient" else chosen,
+        layer=chosen if per_block else None,
     )
 
 
@@ -130,4 +134,16 @@ def _input_gradient(model: CaptionModel, pixels, inputs, ids, layer: int) -> tor
     return torch.stack(word_maps)[None]  # (1, T, Li)
 
 
-_MAPS = {"attention": _attention, "gradcam": _gradcam, "input_gradient": _input_gradient}
+def _occlusion(model: CaptionModel, pixels, inputs, ids, layer: int) -> torch.Tensor:
+    occluded = occluded_images(pixels[0], tuple(model.image_encoder.grid_size))  # (patches, 3, S, S)
+    with torch.no_grad():
+        written = log_odds(model.decode(inputs, model.encode_images(pixels)).logits[0], ids)  # (T,)
+        changes = torch.cat([
+            (log_odds(model.decode(inputs.expand(len(chunk), -1), model.encode_images(chunk)).logits, ids) - written).abs()
+            for chunk in occluded.split(OCCLUSION_BATCH)
+        ])  # (patches, T)
+    prefix = changes.new_zeros(len(ids), model.image_encoder.num_prefix_tokens)
+    return torch.cat([prefix, changes.T], dim=1)[None]  # (1, T, Li)
+
+
+_MAPS = {"attention": _attention, "gradcam": _gradcam, "input_gradient": _input_gradient, "occlusion": _occlusion}
