@@ -65,6 +65,7 @@ SHRINK = [
                          "--latency-repeats", "1"], "end"),
     (r"scripts/(accuracy_by_question|reworded_accuracy)\.py", ["--limit-images", "8"], "end"),
     (r"scripts/pointing_game\.py", ["--limit-images", "8"], "end"),
+    (r"scripts/bench_explain\.py", ["--config", "configs/easy_vqa.yaml", "--rounds", "1"], "end"),
     (r"scripts/bench_training\.py", ["--batches", "1", "--repeats", "1", "--warmup", "0"], "end"),
     (r"scripts/bench_feature_cache\.py", ["--limit-images", "8", "--epochs", "2"], "end"),
     (r"scripts/bench_feature_store\.py", ["--images", "2", "--batch-size", "2", "--repeats", "1", "--store-gb", "0.01"], "end"),

@@ -162,6 +162,14 @@ def test_occlusion_encodes_its_images_in_batches_and_gives_the_same_map(model, i
     np.testing.assert_allclose(explain(model, image, QUESTION, "occlusion").question_map, whole.question_map, atol=1e-6)
 
 
+def test_the_cost_benchmark_times_every_method_the_model_takes_each_round(model):
+    bench = load_script("bench_explain")
+    image = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    seconds, refused = bench.time_methods(model, image, rounds=2)
+    assert list(seconds) == FUSION_STACK_METHODS and all(len(t) == 2 and min(t) > 0 for t in seconds.values())
+    assert list(refused) == ["find_gradient", "reader_set"]
+
+
 def test_rollout_of_one_layer_is_its_head_mean_attention(image):
     one = tiny_model(depth=1)
     rolled = explain(one, image, QUESTION, "rollout")
