@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -291,17 +291,23 @@ class Occlusion(ExplanationMethod):
     name = "occlusion"
 
     def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        mask = inputs.text_mask
+
+        def answer_logits(pixels: torch.Tensor) -> torch.Tensor:  # (n, 3, S, S) -> (n, num_answers)
+            count = len(pixels)
+            fused = model.fuse(text.expand(count, -1, -1), mask.expand(count, -1), model.encode_images(pixels))
+            return model.read_out(fused.output, mask.expand(count, -1))
+
         with torch.no_grad():
-            logits, _ = self.fused_logits(model, inputs, model.encode_images(inputs.pixels), [])
-            chosen = _chosen(logits, inputs)
-            occluded = occluded_images(inputs.pixels[0], tuple(model.image_encoder.grid_size))  # (patches, 3, S, S)
-            occluded_odds = torch.cat([
-                log_odds(answer_logits(model, inputs, occluded[start:start + OCCLUSION_BATCH]), chosen)
-                for start in range(0, len(occluded), OCCLUSION_BATCH)
-            ])  # (patches,)
-        changes = (occluded_odds - log_odds(logits[None], chosen)).abs()
+            text = model.encode_questions(inputs.input_ids, mask.long())  # (1, Lt, D): once for every image
+            logits = answer_logits(inputs.pixels)  # (1, num_answers)
+            chosen = _chosen(logits[0], inputs)
+            changes = occlusion_changes(
+                inputs.pixels, tuple(model.image_encoder.grid_size), lambda pixels: log_odds(answer_logits(pixels), chosen),
+                log_odds(logits, chosen),
+            )  # (patches,)
         prefix = changes.new_zeros(model.attention_prefix_tokens)
-        return MethodResult(None, torch.cat([prefix, changes]), logits, chosen)
+        return MethodResult(None, torch.cat([prefix, changes]), logits[0], chosen)
 
 
 def occluded_images(pixels: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
@@ -318,12 +324,14 @@ def occluded_images(pixels: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor
     return occluded
 
 
-def answer_logits(model: VLFuseModel, inputs: Prepared, pixels: torch.Tensor) -> torch.Tensor:
-    """The answer logits ``(n, num_answers)`` to the question of ``inputs`` about each of ``pixels`` ``(n, 3, S, S)``."""
-    count = len(pixels)
-    text = model.encode_questions(inputs.input_ids, inputs.text_mask.long()).expand(count, -1, -1)  # (n, Lt, D)
-    mask = inputs.text_mask.expand(count, -1)
-    return model.read_out(model.fuse(text, mask, model.encode_images(pixels)).output, mask)
+def occlusion_changes(
+    pixels: torch.Tensor, grid: tuple[int, int], score: Callable[[torch.Tensor], torch.Tensor], unoccluded: torch.Tensor
+) -> torch.Tensor:
+    """``|score(occluded) - unoccluded|`` ``(patches, ...)`` for each of :func:`occluded_images` of
+    ``pixels`` ``(1, 3, S, S)``; ``score`` maps images ``(n, 3, S, S)`` to ``(n, ...)``, ``unoccluded``
+    is its value ``(1, ...)`` on ``pixels``. The images go :data:`OCCLUSION_BATCH` at a time."""
+    occluded = occluded_images(pixels[0], grid)  # (patches, 3, S, S)
+    return torch.cat([(score(chunk) - unoccluded).abs() for chunk in occluded.split(OCCLUSION_BATCH)])
 
 
 def log_odds(logits: torch.Tensor, answer: int | torch.Tensor) -> torch.Tensor:

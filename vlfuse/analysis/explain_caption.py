@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vlfuse.analysis.explain import OCCLUSION_BATCH, chosen_index, distribution, log_odds, occluded_images, weights_gradient
+from vlfuse.analysis.explain import chosen_index, distribution, log_odds, occlusion_changes, weights_gradient
 from vlfuse.captioning.generate import greedy
 from vlfuse.captioning.model import CaptionModel
 from vlfuse.model import ImageContext
@@ -135,13 +135,12 @@ def _input_gradient(model: CaptionModel, pixels, inputs, ids, layer: int) -> tor
 
 
 def _occlusion(model: CaptionModel, pixels, inputs, ids, layer: int) -> torch.Tensor:
-    occluded = occluded_images(pixels[0], tuple(model.image_encoder.grid_size))  # (patches, 3, S, S)
+    def written_log_odds(images: torch.Tensor) -> torch.Tensor:  # (n, 3, S, S) -> (n, T): each word where it was written
+        return log_odds(model.decode(inputs.expand(len(images), -1), model.encode_images(images)).logits, ids)
+
     with torch.no_grad():
-        written = log_odds(model.decode(inputs, model.encode_images(pixels)).logits[0], ids)  # (T,)
-        changes = torch.cat([
-            (log_odds(model.decode(inputs.expand(len(chunk), -1), model.encode_images(chunk)).logits, ids) - written).abs()
-            for chunk in occluded.split(OCCLUSION_BATCH)
-        ])  # (patches, T)
+        grid = tuple(model.image_encoder.grid_size)
+        changes = occlusion_changes(pixels, grid, written_log_odds, written_log_odds(pixels))  # (patches, T)
     prefix = changes.new_zeros(len(ids), model.image_encoder.num_prefix_tokens)
     return torch.cat([prefix, changes.T], dim=1)[None]  # (1, T, Li)
 
