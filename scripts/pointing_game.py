@@ -15,7 +15,9 @@ with ``--untrained-baseline``, also every method on an untrained model of the sa
   as ``vlfuse analyze`` counts them (:func:`vlfuse.analysis.head_stats.object_cells`).
 - ``--data shapes``: SHAPES **val** (never test), questions ``(is A B)`` whose first argument ``A``
   names exactly one cell of the scene (read from the image, :func:`vlfuse.data.shapes.read_scene`);
-  the object's patches are those over that cell.
+  the object's patches are those over that cell. Each method with a map per word is also scored on
+  the map of ``A``'s word alone (``METHOD, the named word's map``): does the word that names the
+  object look at it?
 
     .venv/bin/python scripts/pointing_game.py --model runs/easy_vqa/latest/model --limit-images 300
 """
@@ -64,6 +66,11 @@ class Item:
     image: np.ndarray
     question: str
 
+    @property
+    def named_word(self) -> str | None:
+        """The question's word that names the object, when one does (SHAPES); ``None`` otherwise."""
+        return None
+
     def region(self, pixels: torch.Tensor, grid: tuple[int, int], share: float) -> np.ndarray:
         """``(rows, cols)`` bool: the patches at least ``share`` of whose pixels are foreground, in
         ``pixels`` ``(1, 3, S, S)`` as the model sees the image."""
@@ -77,9 +84,15 @@ class CellItem(Item):
 
     Attributes:
         cell: ``(H, W)`` bool, the cell's pixels.
+        word: the word of ``A`` (a colour or a shape), which names the object.
     """
 
     cell: np.ndarray
+    word: str
+
+    @property
+    def named_word(self) -> str:
+        return self.word
 
     def region(self, pixels: torch.Tensor, grid: tuple[int, int], share: float) -> np.ndarray:
         """The patches over the cell (it holds an object, by the scene): ``share`` has no part."""
@@ -121,7 +134,7 @@ def shapes_items(data_dir: Path, limit_images: int | None) -> Iterator[Item]:
         if cells.sum() != 1:
             continue
         block = np.kron(cells, np.ones((CELL, CELL), dtype=bool))  # (30, 30): the cell's pixels
-        yield CellItem(np.ascontiguousarray(image), to_english(query), block)
+        yield CellItem(np.ascontiguousarray(image), to_english(query), block, first)
 
 
 def usable_runs(model, item: Item) -> tuple[list[tuple[str, int | None]], dict[str, str]]:
@@ -184,12 +197,18 @@ def score(model, items: list[Item], seed: int) -> Scores:
         if not all(region.any() for region in regions):
             left_out += 1
             continue
-        for (name, layer), key in zip(runs, methods):
+        for (name, layer), key in zip(runs, list(methods)):
             explanation = explain_pixels(model, pixels, item.question, name, layer=layer)
             patch_map = explanation.patch_map()
             count(methods[key], lambda region: hit(patch_map, region))
             count(by_answer.setdefault(f"{key} -> {explanation.answer}", [0] * (len(SHARES) + 1)),
                   lambda region: hit(patch_map, region))
+            if item.named_word is not None and explanation.token_maps is not None:
+                word_map = explanation.token_patch_maps()[:, named_token(explanation, item)].mean(0)  # (rows, cols)
+                word_key = f"{key}, the named word's map"
+                count(methods.setdefault(word_key, [0] * (len(SHARES) + 1)), lambda region: hit(word_map, region))
+                count(by_answer.setdefault(f"{word_key} -> {explanation.answer}", [0] * (len(SHARES) + 1)),
+                      lambda region: hit(word_map, region))
             if len(explanation.heads) > 1:
                 per_head = explanation.token_patch_maps().mean(1)  # (H, rows, cols): each head's question map
                 for label, head_map in zip(explanation.heads, per_head):
@@ -200,6 +219,14 @@ def score(model, items: list[Item], seed: int) -> Scores:
         count(baselines["uniform map (expected)"], lambda region: float(region.mean()))
         count(baselines["centre patch"], lambda region: bool(region[grid[0] // 2, grid[1] // 2]))
     return Scores(methods, heads, baselines, dict(sorted(by_answer.items())), left_out, refused)
+
+
+def named_token(explanation, item: Item) -> int:
+    """The index in ``explanation.tokens`` of the first token that is ``item``'s named word (in SHAPES'
+    English ``A`` is the first word after "is": "is a green shape right of a blue shape")."""
+    if item.named_word not in explanation.tokens:
+        raise ValueError(f"{item.question!r}: the tokenizer wrote {explanation.tokens}, without {item.named_word!r}")
+    return explanation.tokens.index(item.named_word)
 
 
 def add_untrained_baseline(scores: Scores, model, items: list[Item], seed: int) -> None:

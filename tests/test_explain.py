@@ -43,7 +43,8 @@ def image():
     return Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
 
 
-FUSION_STACK_METHODS = [m for m in METHODS if m not in ("find_gradient", "reader_set")]  # those: the cell readers only
+CELL_READER_METHODS = ("find_gradient", "reader_set", "word_set")  # the SHAPES cell readers only
+FUSION_STACK_METHODS = [m for m in METHODS if m not in CELL_READER_METHODS]
 TOKENLESS_METHODS = ("input_gradient", "occlusion")  # one map for the question, no heads, no tokens
 
 
@@ -167,7 +168,7 @@ def test_the_cost_benchmark_times_every_method_the_model_takes_each_round(model)
     image = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
     seconds, refused = bench.time_methods(model, image, rounds=2)
     assert list(seconds) == FUSION_STACK_METHODS and all(len(t) == 2 and min(t) > 0 for t in seconds.values())
-    assert list(refused) == ["find_gradient", "reader_set"]
+    assert list(refused) == list(CELL_READER_METHODS)
 
 
 def test_rollout_of_one_layer_is_its_head_mean_attention(image):
@@ -305,7 +306,7 @@ def test_pointing_scores_count_every_question_for_every_method_and_baseline(mode
     scores = pointing.score(model, items + [empty], seed=0)
     methods, heads, baselines, left_out, refused = (scores.methods, scores.heads, scores.baselines, scores.left_out,
                                                     scores.refused)
-    assert left_out == 1 and list(refused) == ["find_gradient", "reader_set"]  # nothing to point at; no cell reader
+    assert left_out == 1 and list(refused) == list(CELL_READER_METHODS)  # nothing to point at; no cell reader
     assert set(methods) == {"attention layer 0", "attention layer 1", "gradcam layer 0", "gradcam layer 1",
                             "rollout", "input_gradient", "occlusion"}
     assert all(total == len(items) and 0 <= touch <= total and strict <= touch
@@ -464,11 +465,12 @@ def test_pointing_scores_a_shapes_cell_reader_by_the_methods_it_takes_and_says_w
     pointing = load_script("pointing_game")
     config = reader_config("cell_moves")
     config.image.image_size, config.image.patch_size = 30, 10  # a 3x3 grid, one patch per SHAPES cell
-    model = VLFuseModel.from_config(config, ["false", "true"], ["is a red shape above a circle"]).eval()
     items = list(pointing.shapes_items(SHARED / "data" / "shapes", 32))
+    model = VLFuseModel.from_config(config, ["false", "true"], [item.question for item in items]).eval()
     scores = pointing.score(model, items, seed=0)
     methods, heads, left_out, refused = scores.methods, scores.heads, scores.left_out, scores.refused
-    assert set(methods) == {"attention layer 0", "rollout", "input_gradient", "occlusion", "find_gradient", "reader_set"}
+    with_words = ["attention layer 0", "rollout", "find_gradient", "reader_set", "word_set"]
+    assert set(methods) == {"input_gradient", "occlusion", *with_words, *(f"{m}, the named word's map" for m in with_words)}
     assert list(refused) == ["gradcam"] and "fuser 'cell_moves' does not keep them" in refused["gradcam"]
     assert all(total == len(items) - left_out for *_, total in methods.values())
     assert len(heads) == 32 and sum(key.startswith("find_gradient find head") for key in heads) == 16
@@ -554,3 +556,33 @@ def test_reader_set_is_the_set_the_reader_holds_after_each_word_and_after_the_qu
     np.testing.assert_allclose(e.question_map, (states[0] / states[0].sum()).numpy(), atol=1e-6)
     # the final set is what the answer is read from: its logsumexp of log m is the evidence
     assert float(torch.logsumexp(states[0].log(), 0)) == pytest.approx(float(evidence), abs=1e-5)
+
+
+def test_word_set_reads_each_word_alone_from_the_whole_grid():
+    model = shapes_reader("cell_moves")
+    scene = np.random.default_rng(3).integers(0, 256, (30, 30, 3), dtype=np.uint8)
+    question = "is a red shape above a circle"
+    e = explain(model, Image.fromarray(scene), question, "word_set")
+    sets = explain(model, Image.fromarray(scene), question, "reader_set")
+    assert e.token_maps.shape == (1, len(e.tokens), 9) and e.heads == ["word_set (heads mixed)"]
+    assert ((e.token_maps > 0) & (e.token_maps < 1)).all()
+    # the reader reads the last token first, from the whole grid: there reading alone is reading the question
+    np.testing.assert_allclose(e.token_maps[0, -1], sets.token_maps[0, -1], atol=1e-6)
+    assert not np.allclose(e.token_maps[0, 0], sets.token_maps[0, 0], atol=1e-3)  # "[CLS]", read last, is not
+    mean = e.token_maps[0].mean(0)
+    np.testing.assert_allclose(e.question_map, mean / mean.sum(), atol=1e-6)
+    assert (e.answer, e.probability) == (sets.answer, pytest.approx(sets.probability))  # the whole question's answer
+
+
+def test_the_named_word_is_the_first_token_that_is_it_and_a_missing_one_names_the_question():
+    pointing = load_script("pointing_game")
+    scene = np.zeros((30, 30, 3), dtype=np.uint8)
+    question = "is a green shape right of right of a green shape"
+    item = pointing.CellItem(scene, question, np.zeros((30, 30), dtype=bool), "green")
+    tokens = ["[CLS]", *question.split(), "[SEP]"]
+    explanation = type("Explained", (), {"tokens": tokens})()
+    assert pointing.named_token(explanation, item) == 3
+    explanation.tokens = ["[CLS]", "is", "a", "[UNK]", "shape", "[SEP]"]
+    with pytest.raises(ValueError, match="'is a green shape right of .*without 'green'"):
+        pointing.named_token(explanation, item)
+    assert pointing.Item(scene, question).named_word is None

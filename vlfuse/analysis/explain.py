@@ -1,4 +1,4 @@
-"""Why a model gave an answer: maps over the image of where the question looked, seven ways.
+"""Why a model gave an answer: maps over the image of where the question looked, eight ways.
 
 Every method works through the model's public stages (:meth:`~vlfuse.model.VLFuseModel.encode_images`,
 ``encode_questions``, ``fuse`` with ``weights_from``, ``read_out``); none patches a layer:
@@ -18,6 +18,8 @@ Every method works through the model's public stages (:meth:`~vlfuse.model.VLFus
   through each word's finds: each find's share in the answer's log-probability, per find head.
 - :class:`ReaderSet` (``reader_set``): for the cell readers, the soft set they hold once each word
   is read, and once the whole question is.
+- :class:`WordSet` (``word_set``): for the cell readers, the set each word picks out when the
+  reader reads it alone (which word looked where, as a neural module network's module maps).
 
 The gradient with respect to the weights is read without hooks. A layer's output for question
 token ``q`` and head ``h`` is ``o[h, q] = sum_k A[h, q, k] V[h, k]`` with the values ``V`` in the
@@ -393,6 +395,28 @@ class ReaderSet(ExplanationMethod):
         return MethodResult(maps, sets[0], logits, _chosen(logits, inputs))
 
 
+class WordSet(ExplanationMethod):
+    """The SHAPES cell readers' reading of each word alone: word ``t``'s map is the soft set the
+    reader holds once it has read word ``t`` by itself, from the whole grid (as it reads the first
+    word of every question), so "green" maps to the cells it finds green and "circle" to those it
+    finds a circle, in this image. The question's map is their mean. The answer explained is the
+    whole question's, as :class:`ReaderSet`'s. One "head". Only for ``cell_steps`` and ``cell_moves``.
+    """
+
+    name = "word_set"
+
+    def run(self, model: VLFuseModel, inputs: Prepared, layer: int) -> MethodResult:
+        reader, text, patches = read_by_cells(model, inputs, self.name)
+        mask = inputs.text_mask
+        words = text[0][mask[0]][:, None, :]  # (T, 1, width): each real token, a question of one word
+        with torch.no_grad():
+            alone = torch.ones(words.shape[:2], dtype=torch.bool, device=words.device)  # (T, 1)
+            sets = reader.states(words, alone, patches.expand(len(words), -1, -1))  # (T, 1, cells)
+            logits = model.read_out(reader(text, mask, patches).output, mask)[0]
+        maps = sets[:, 0][None]  # (1, T, cells)
+        return MethodResult(maps, maps.mean((0, 1)), logits, _chosen(logits, inputs))
+
+
 def read_by_cells(model: VLFuseModel, inputs: Prepared, method: str) -> tuple[CellStepsFuser, torch.Tensor, torch.Tensor]:
     """The model's cell reader with what it reads, the words ``(1, Lt, width)`` and the patches
     ``(1, cells, d)``; :class:`MethodRefused` naming ``method`` and the fuser when it has no cell reader."""
@@ -408,7 +432,7 @@ def read_by_cells(model: VLFuseModel, inputs: Prepared, method: str) -> tuple[Ce
 
 METHODS: dict[str, type[ExplanationMethod]] = {
     method.name: method for method in (
-        RawAttention, AttentionGradient, Rollout, InputGradient, Occlusion, FindGradient, ReaderSet
+        RawAttention, AttentionGradient, Rollout, InputGradient, Occlusion, FindGradient, ReaderSet, WordSet
     )
 }
 """The explanation methods by name."""
