@@ -163,6 +163,7 @@ class Scores:
         heads: ``{method (and layer) and head: counts}`` of each head's map.
         baselines: ``{baseline: counts}``.
         by_answer: ``{method (and layer) -> the model's answer: counts}``.
+        by_word: ``{method (and layer), the named word's map: the word: counts}`` (SHAPES).
         left_out: questions left out because their object has no patch.
         refused: ``{method: why}`` for the methods the model refuses.
     """
@@ -171,6 +172,7 @@ class Scores:
     heads: dict[str, list]
     baselines: dict[str, list]
     by_answer: dict[str, list]
+    by_word: dict[str, list]
     left_out: int
     refused: dict[str, str]
 
@@ -183,6 +185,7 @@ def score(model, items: list[Item], seed: int) -> Scores:
     methods = {f"{name}" + ("" if layer is None else f" layer {layer}"): [0] * (len(SHARES) + 1) for name, layer in runs}
     heads: dict[str, list] = {}
     by_answer: dict[str, list] = {}
+    by_word: dict[str, list] = {}
     baselines = {name: [0] * (len(SHARES) + 1) for name in ("random map", "uniform map (expected)", "centre patch")}
     left_out = 0
 
@@ -209,6 +212,8 @@ def score(model, items: list[Item], seed: int) -> Scores:
                 count(methods.setdefault(word_key, [0] * (len(SHARES) + 1)), lambda region: hit(word_map, region))
                 count(by_answer.setdefault(f"{word_key} -> {explanation.answer}", [0] * (len(SHARES) + 1)),
                       lambda region: hit(word_map, region))
+                count(by_word.setdefault(f"{word_key}: {item.named_word}", [0] * (len(SHARES) + 1)),
+                      lambda region: hit(word_map, region))
             if len(explanation.heads) > 1:
                 per_head = explanation.token_patch_maps().mean(1)  # (H, rows, cols): each head's question map
                 for label, head_map in zip(explanation.heads, per_head):
@@ -218,7 +223,7 @@ def score(model, items: list[Item], seed: int) -> Scores:
         count(baselines["random map"], lambda region: hit(random_map, region))
         count(baselines["uniform map (expected)"], lambda region: float(region.mean()))
         count(baselines["centre patch"], lambda region: bool(region[grid[0] // 2, grid[1] // 2]))
-    return Scores(methods, heads, baselines, dict(sorted(by_answer.items())), left_out, refused)
+    return Scores(methods, heads, baselines, dict(sorted(by_answer.items())), dict(sorted(by_word.items())), left_out, refused)
 
 
 def named_token(explanation, item: Item) -> int:
@@ -244,7 +249,8 @@ def rates(counts: list) -> list[str]:
 
 def report(scores: Scores, by_answer: bool = False) -> str:
     """The markdown tables: methods and baselines, then (``by_answer``) each method's hits by the
-    model's answer, then the best, worst and median head of each layer (by the first of SHARES)."""
+    model's answer and the named word's maps' hits by the word, then the best, worst and median head
+    of each layer (by the first of SHARES)."""
     columns = [f"hit rate: {name}" for name in SHARES]
     rows = [[name, *rates(c), str(c[-1])] for name, c in scores.methods.items()]
     rows += [[f"baseline: {name}", *rates(c), str(c[-1])] for name, c in scores.baselines.items()]
@@ -252,6 +258,9 @@ def report(scores: Scores, by_answer: bool = False) -> str:
     if by_answer:
         rows = [[name, *rates(c), str(c[-1])] for name, c in scores.by_answer.items()]
         lines += [markdown_table(["method -> the model's answer", *columns, "questions"], rows), ""]
+        if scores.by_word:
+            rows = [[name, *rates(c), str(c[-1])] for name, c in scores.by_word.items()]
+            lines += [markdown_table(["method, the named word's map: the word", *columns, "questions"], rows), ""]
     by_layer: dict[str, list[tuple[float, str]]] = {}
     for key, counts in scores.heads.items():
         layer_key, head = key.rsplit(" head ", 1)
@@ -276,7 +285,7 @@ def main() -> None:
     parser.add_argument("--untrained-baseline", action="store_true",
                         help="also score every method on an untrained model of the same architecture (seeded by "
                              "--seed): a method that points as well there reads the image, not the model")
-    parser.add_argument("--by-answer", action="store_true", help="also each method's hit rate by the model's answer")
+    parser.add_argument("--by-answer", action="store_true", help="also each method's hit rate by the model's answer (SHAPES: and by the named word)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the counts as JSON here")
     args = parser.parse_args()
 

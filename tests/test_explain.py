@@ -479,8 +479,14 @@ def test_pointing_scores_a_shapes_cell_reader_by_the_methods_it_takes_and_says_w
         parts = [c for key, c in scores.by_answer.items() if key.rsplit(" -> ", 1)[0] == method]
         assert parts and all(key.rsplit(" -> ", 1)[1] in ("false", "true") for key in scores.by_answer)
         assert [sum(column) for column in zip(*parts)] == counts
+    # the named word's maps split by the word, and the split adds up
+    for method in with_words:
+        parts = [c for key, c in scores.by_word.items() if key.startswith(f"{method}, the named word's map: ")]
+        assert [sum(column) for column in zip(*parts)] == methods[f"{method}, the named word's map"]
+    assert {key.rsplit(": ", 1)[1] for key in scores.by_word} <= {"red", "green", "blue", "circle", "square", "triangle"}
     table = pointing.report(scores, by_answer=True)
     assert "| method -> the model's answer |" in table and "| reader_set -> " in table
+    assert "| word_set, the named word's map: " in table
 
 
 def shapes_reader(fuser: str = "cell_moves") -> VLFuseModel:
