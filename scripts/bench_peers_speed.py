@@ -27,6 +27,11 @@ Fusion layer (float32, ``--layer-size`` B Lq Lk D H, default 32 32 197 768 16), 
   (``dense``), with vlfuse's weights copied in: the same op (outputs checked equal).
 - ``BertAttention (cross)``: the whole module of a ``BertLayer`` with ``add_cross_attention``
   (``BertAttention(is_cross_attention=True)``): the same op plus its residual add and LayerNorm.
+- ``vlfuse, k and v apart`` (not the package's layer; a diagnosis): vlfuse's layer with its keys and
+  values computed by two products from the halves of ``kv_proj`` instead of one product split in
+  two. The forward is bitwise the same; the backward needs no concatenation of the two halves'
+  gradients, op for op what BERT's separate ``key`` and ``value`` layers cost, but its gradient of
+  the image tokens is summed in another order (rounding-level differences that change a seeded run).
 - ``timm Attention (concat)``: timm's ``Attention`` cannot take queries from one sequence and keys
   from another; what a single-stream model (ViLT) does instead is self-attention over the text and
   image tokens together, so it runs over the ``Lq + Lk`` concatenated tokens: a larger op.
@@ -63,6 +68,7 @@ from vlfuse.captioning import CaptionConfig, CaptionModel, describe, greedy
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.data.shapes import render_scenes, sample_scenes
 from vlfuse.layers import CrossAttention
+from vlfuse.layers.attention import ProjectedContext
 
 DEFAULT_CONFIG = REPO / "configs" / "shapes_captions.yaml"
 LAYER_SIZE = (32, 32, 197, 768, 16)
@@ -190,6 +196,15 @@ class _Residual(torch.nn.Module):
         return self.attention(text, encoder_hidden_states=image)[0]
 
 
+class KeysValuesApart(CrossAttention):
+    """vlfuse's layer with keys and values from two products (the halves of ``kv_proj``), not one split in two."""
+
+    def project_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> ProjectedContext:
+        biases = self.kv_proj.bias.chunk(2)
+        key, value = (F.linear(context, weight, bias) for weight, bias in zip(self.kv_proj.weight.chunk(2), biases))
+        return ProjectedContext(self.split_heads(key), self.split_heads(value), context_mask)  # each (B, H, Lk, hd)
+
+
 def layer_modules(d: int, h: int) -> dict[str, tuple[torch.nn.Module, bool]]:
     """``{name: (module, takes (text, image) apart)}``; the BERT modules carry vlfuse's weights."""
     torch.manual_seed(0)
@@ -205,9 +220,12 @@ def layer_modules(d: int, h: int) -> dict[str, tuple[torch.nn.Module, bool]]:
                                      (bert.self.value, v_weight, v_bias), (bert.output.dense, ours.out_proj.weight, ours.out_proj.bias)):
             target.weight.copy_(weight)
             target.bias.copy_(bias)
+    apart = KeysValuesApart(d, h).eval()
+    apart.load_state_dict(ours.state_dict())
     timm_attention = timm.layers.Attention(d, num_heads=h, qkv_bias=True).eval()
     return {
         "vlfuse CrossAttention": (ours, True),
+        "vlfuse, k and v apart": (apart, True),
         "bert cross (same op)": (BertSameOp(bert), True),
         "BertAttention (cross)": (_Residual(bert), True),
         "timm Attention (concat)": (timm_attention, False),
