@@ -78,16 +78,18 @@ def report(runs: list[dict]) -> str:
     """The table of every run, then the median and worst of each variant over the seeds."""
     full = {r["seed"]: r["seconds"] for r in runs if r["variant"] == "full"}
     rows = [[r["variant"], r["seed"], percent(r["test"]), percent(r["reworded"]), minutes(r["seconds"]),
-             f"{r['seconds'] / full[r['seed']]:.2f}"] for r in runs]
+             f"{r['seconds'] / full[r['seed']]:.2f}" if r["seed"] in full else "-"] for r in runs]
     summary = []
     for variant in ("full", "lora"):
         group = [r for r in runs if r["variant"] == variant]
+        if not group:
+            continue
         tests = [r["test"] for r in group if r["test"] is not None]
         words = [r["reworded"] for r in group]
-        ratios = [r["seconds"] / full[r["seed"]] for r in group]
+        ratios = [r["seconds"] / full[r["seed"]] for r in group if r["seed"] in full]
         summary.append([variant, len(group), f"{percent(statistics.median(tests))} / {percent(min(tests))}" if tests else "-",
                         f"{percent(statistics.median(words))} / {percent(min(words))}",
-                        f"{statistics.median(ratios):.2f} / {max(ratios):.2f}"])
+                        f"{statistics.median(ratios):.2f} / {max(ratios):.2f}" if ratios else "-"])
     return "\n".join([
         markdown_table(["variant", "seed", "templated test", "reworded test", "wall-clock", "wall-clock / full"], rows), "",
         markdown_table(["variant", "seeds", "templated median / worst", "reworded median / worst", "wall-clock / full, median / worst"], summary),
@@ -100,7 +102,8 @@ def bench_fits(args: argparse.Namespace) -> None:
     limit = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("--data.init_args.limit_images=")), None)
     runs = []
     for seed in args.seeds:
-        for variant, config, overrides in (("full", args.full, extra), ("lora", args.lora, extra + shlex.split(args.lora_args))):
+        variants = (("full", args.full, extra), ("lora", args.lora, extra + shlex.split(args.lora_args)))
+        for variant, config, overrides in (v for v in variants if v[0] in args.variants):
             root = args.out / f"{variant}_s{seed}"
             seconds = fit(config, seed, root, overrides)
             run = dict(variant=variant, seed=seed, seconds=round(seconds, 1), test=read_curves(root)["test"],
@@ -163,6 +166,8 @@ def main() -> None:
                         "--data.init_args.limit_images=16' for a smoke run")
     parser.add_argument("--lora-args", default="", help="overrides added to the LoRA fit only, e.g. "
                         "'--model.architecture.text.adapter.layers=[3,4,5]'")
+    parser.add_argument("--variants", nargs="+", choices=("full", "lora"), default=["full", "lora"],
+                        help="which fits to run (default both; without full, no wall-clock ratio)")
     parser.add_argument("--steps", type=int, default=None, metavar="N", help="time N training steps of each variant instead of fitting")
     parser.add_argument("--layers", action="append", default=[], metavar="I,J,...",
                         help="with --steps: add the LoRA config adapting only these encoder layers (repeatable)")

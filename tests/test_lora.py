@@ -166,6 +166,9 @@ def test_the_benchmark_table_sets_each_seeds_wall_clock_against_full_fine_tuning
     assert "| lora | 0 | 98.00% | 95.00% | 5 min 00 s | 0.50 |" in table
     assert "| lora | 1 | 99.00% | 90.00% | 6 min 40 s | 0.80 |" in table
     assert "| lora | 2 | 98.50% / 98.00% | 92.50% / 90.00% | 0.65 / 0.80 |" in table
+    alone = bench.report(runs[1::2])  # --variants lora: no full fine-tuning in the run, no ratio
+    assert "| lora | 1 | 99.00% | 90.00% | 6 min 40 s | - |" in alone
+    assert "| lora | 2 | 98.50% / 98.00% | 92.50% / 90.00% | - |" in alone and "| full |" not in alone
 
 
 def no_dropout(module: torch.nn.Module) -> None:
