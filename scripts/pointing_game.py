@@ -182,7 +182,8 @@ def score(model, items: list[Item], seed: int) -> Scores:
     grid = tuple(model.image_encoder.grid_size)
     rng = np.random.default_rng(seed)
     runs, refused = usable_runs(model, items[0])
-    methods = {f"{name}" + ("" if layer is None else f" layer {layer}"): [0] * (len(SHARES) + 1) for name, layer in runs}
+    keys = [f"{name}" + ("" if layer is None else f" layer {layer}") for name, layer in runs]
+    methods = {key: [0] * (len(SHARES) + 1) for key in keys}  # the whole question's maps first, as run
     heads: dict[str, list] = {}
     by_answer: dict[str, list] = {}
     by_word: dict[str, list] = {}
@@ -194,31 +195,31 @@ def score(model, items: list[Item], seed: int) -> Scores:
             counts[i] += value(region)
         counts[-1] += 1
 
+    def point(table: dict[str, list], key: str, patch_map: np.ndarray) -> None:
+        """Count whether ``patch_map``'s maximum hits the object, under ``key`` of ``table``."""
+        count(table.setdefault(key, [0] * (len(SHARES) + 1)), lambda region: hit(patch_map, region))
+
     for item in items:
         pixels = model.processor.image(item.image)[None]
         regions = [item.region(pixels, grid, share) for share in SHARES.values()]
         if not all(region.any() for region in regions):
             left_out += 1
             continue
-        for (name, layer), key in zip(runs, list(methods)):
+        for (name, layer), key in zip(runs, keys):
             explanation = explain_pixels(model, pixels, item.question, name, layer=layer)
             patch_map = explanation.patch_map()
-            count(methods[key], lambda region: hit(patch_map, region))
-            count(by_answer.setdefault(f"{key} -> {explanation.answer}", [0] * (len(SHARES) + 1)),
-                  lambda region: hit(patch_map, region))
+            point(methods, key, patch_map)
+            point(by_answer, f"{key} -> {explanation.answer}", patch_map)
             if item.named_word is not None and explanation.token_maps is not None:
                 word_map = explanation.token_patch_maps()[:, named_token(explanation, item)].mean(0)  # (rows, cols)
                 word_key = f"{key}, the named word's map"
-                count(methods.setdefault(word_key, [0] * (len(SHARES) + 1)), lambda region: hit(word_map, region))
-                count(by_answer.setdefault(f"{word_key} -> {explanation.answer}", [0] * (len(SHARES) + 1)),
-                      lambda region: hit(word_map, region))
-                count(by_word.setdefault(f"{word_key}: {item.named_word}", [0] * (len(SHARES) + 1)),
-                      lambda region: hit(word_map, region))
+                point(methods, word_key, word_map)
+                point(by_answer, f"{word_key} -> {explanation.answer}", word_map)
+                point(by_word, f"{word_key}: {item.named_word}", word_map)
             if len(explanation.heads) > 1:
                 per_head = explanation.token_patch_maps().mean(1)  # (H, rows, cols): each head's question map
                 for label, head_map in zip(explanation.heads, per_head):
-                    count(heads.setdefault(f"{key} {label}", [0] * (len(SHARES) + 1)),
-                          lambda region: hit(head_map, region))
+                    point(heads, f"{key} {label}", head_map)
         random_map = rng.random(grid)
         count(baselines["random map"], lambda region: hit(random_map, region))
         count(baselines["uniform map (expected)"], lambda region: float(region.mean()))

@@ -2,6 +2,7 @@
 computations of attention x gradient and rollout, the files the command writes, its errors."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -586,7 +587,7 @@ def test_the_named_word_is_the_first_token_that_is_it_and_a_missing_one_names_th
     question = "is a green shape right of right of a green shape"
     item = pointing.CellItem(scene, question, np.zeros((30, 30), dtype=bool), "green")
     tokens = ["[CLS]", *question.split(), "[SEP]"]
-    explanation = type("Explained", (), {"tokens": tokens})()
+    explanation = SimpleNamespace(tokens=tokens)  # named_token reads only the tokens
     assert pointing.named_token(explanation, item) == 3
     explanation.tokens = ["[CLS]", "is", "a", "[UNK]", "shape", "[SEP]"]
     with pytest.raises(ValueError, match="'is a green shape right of .*without 'green'"):
