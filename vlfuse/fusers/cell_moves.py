@@ -15,6 +15,13 @@ frequent word hold still every word after it: on a stalled seed "shape", which c
 relation, pushed the next word to "no shift" by about 6 logits and no relation word ever moved. With
 ``shift_reads: word_steered_by_previous`` the word alone decides how much of the set moves, and the
 word before only where it goes.
+
+With ``shift_kernel: displacement`` a word does not choose among the nine shifts: it gives one
+displacement ``d = tanh(W word)`` in ``(-1, 1)^2``, and the set moves by ``d`` with bilinear
+weights (as a spatial transformer samples). A mix can hold half of the set one cell left and half
+one cell right, and so can serve "left of" and "right of" at once with "of"; a displacement
+cannot: the pulls of "left of" and "right of" on "of" cancel, and only "left" and "right" are
+pulled one way.
 """
 
 from __future__ import annotations
@@ -54,6 +61,21 @@ def previous_steers(own: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
 READS_PREVIOUS = {"word_and_previous": previous_added, "word_steered_by_previous": previous_steers}
 """How each ``shift_reads`` that reads the word before combines it with the word's own logits."""
 
+DISPLACEMENT_START = 0.1
+"""Spread of a displacement's logits ``W word`` at the start (the weights' standard deviation times
+the square root of the width; the words are layer-normalised): ``|d|`` about 0.08 on each axis, so
+that about 0.85 of the kept set stays where it is, as with the mix's :data:`STAY_BIAS`, and each
+word leaks the rest to neighbours of its own."""
+
+
+def log_bilinear_weights(displacement: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Log of the bilinear weights ``(Bq, 9)`` by which a set moved by ``displacement`` ``(Bq, 2)``
+    (rows, columns, each in ``[-1, 1]``) takes each one-cell shift of ``steps`` ``(9, 2)``: the
+    product over the two axes of ``max(0, 1 - |step - d|)``. Weights of 0 give the float's least
+    log, so that no gradient is ``0 / 0``."""
+    weights = (1 - (steps - displacement[:, None, :]).abs()).clamp_min(0).prod(-1)  # (Bq, 9)
+    return weights.clamp_min(torch.finfo(weights.dtype).tiny).log()
+
 
 @FUSERS.register
 @dataclass
@@ -67,10 +89,21 @@ class CellMovesConfig(CellStepsConfig):
             alone for how much of the set moves, the word and the one before it for where it goes
             (the word before cannot hold a word still). The word before's weights start at zero, so
             the reader starts as with ``word``.
+        shift_kernel: how a word shifts the kept set: ``mix``, a distribution over the nine one-cell
+            shifts, ``softmax(W word)``; ``displacement``, one displacement ``tanh(W word)`` per word
+            applied with bilinear weights (it cannot move half of the set one way and half the other).
+            ``word_steered_by_previous`` steers a mix only.
     """
 
     type: str = "cell_moves"
     shift_reads: Literal["word", "word_and_previous", "word_steered_by_previous"] = "word"
+    shift_kernel: Literal["mix", "displacement"] = "mix"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.shift_kernel == "displacement" and self.shift_reads == "word_steered_by_previous":
+            raise ValueError("fuser.shift_reads: word_steered_by_previous shares a mix's moves; "
+                             "with shift_kernel: displacement use word or word_and_previous")
 
     def build(self, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> "CellMovesFuser":
         return CellMovesFuser(self, dim, text_width=text_width, grid_size=grid_size)
@@ -84,7 +117,9 @@ class CellMovesFuser(CellStepsFuser):
     ``p = softmax(W word)`` one distribution per word, whatever the image (``softmax(W word + V
     previous word)`` with ``shift_reads: word_and_previous``; with ``word_steered_by_previous``,
     ``p_stay`` is ``softmax(W word)``'s and the moves share the rest as ``softmax(W word + V previous
-    word)`` over the eight moves). One offset that takes all the weight
+    word)`` over the eight moves). With ``shift_kernel: displacement``, ``p`` is the bilinear weights
+    of one displacement ``tanh(W word)`` (plus ``V previous word`` inside the tanh with
+    ``word_and_previous``). One offset that takes all the weight
     moves the whole set exactly, as "right of" asks; "no shift" keeps it, as the cell-steps reader
     does. Everything else (finds, the shared block, the gate) is the cell-steps reader's.
 
@@ -93,26 +128,40 @@ class CellMovesFuser(CellStepsFuser):
 
     def __init__(self, config: CellMovesConfig, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> None:
         super().__init__(config, dim, text_width=text_width, grid_size=grid_size)
-        self.shift = nn.Linear(text_width, NEIGHBOURHOOD * NEIGHBOURHOOD)
+        self.displaces = config.shift_kernel == "displacement"
+        outputs = 2 if self.displaces else NEIGHBOURHOOD * NEIGHBOURHOOD  # (rows, cols) or one logit per shift
+        self.shift = nn.Linear(text_width, outputs)
         with torch.no_grad():
             self.shift.bias.zero_()
-            self.shift.bias[STAY] = STAY_BIAS
+            if self.displaces:
+                self.shift.weight.normal_(0.0, DISPLACEMENT_START / text_width ** 0.5)
+            else:
+                self.shift.bias[STAY] = STAY_BIAS
+        self.register_buffer("steps", torch.tensor(self.shift_steps(), dtype=torch.float32), persistent=False)  # (9, 2)
         self.shift_previous, self.read_previous = None, READS_PREVIOUS.get(config.shift_reads)
         if self.read_previous is not None:  # zeros: draws nothing from the random generator
-            self.shift_previous = nn.Parameter(torch.zeros(NEIGHBOURHOOD * NEIGHBOURHOOD, text_width))
+            self.shift_previous = nn.Parameter(torch.zeros(outputs, text_width))
 
     def _shift_logits(self, text: torch.Tensor, t: int) -> torch.Tensor:
-        """The shift logits ``(Bq, 9)`` of word ``t`` of ``text`` ``(Bq, Lt, width)``, unnormalised
+        """What the shift layer gives word ``t`` of ``text`` ``(Bq, Lt, width)``: a mix's logits
+        ``(Bq, 9)``, unnormalised, or a displacement's ``(Bq, 2)`` before the tanh
         (:data:`READS_PREVIOUS` says how the word before counts)."""
         own = self.shift(text[:, t])
         if self.shift_previous is None or t == 0:
             return own
         return self.read_previous(own, F.linear(text[:, t - 1], self.shift_previous))
 
+    def _log_shift(self, text: torch.Tensor, t: int) -> torch.Tensor:
+        """Log of word ``t``'s weights ``(Bq, 9)`` over the nine shifts, in :meth:`shift_steps` order."""
+        logits = self._shift_logits(text, t)
+        if self.displaces:
+            return log_bilinear_weights(torch.tanh(logits), self.steps.to(logits.dtype))
+        return logits.log_softmax(-1)
+
     def shifts(self, text: torch.Tensor) -> torch.Tensor:
         """Each word's distribution over the nine shifts as the reader applies it in its question:
         ``(Bq, Lt, width) -> (Bq, Lt, 9)``, in :meth:`shift_steps` order."""
-        return torch.stack([self._shift_logits(text, t) for t in range(text.shape[1])], dim=1).softmax(-1)
+        return torch.stack([self._log_shift(text, t) for t in range(text.shape[1])], dim=1).exp()
 
     @staticmethod
     def shift_steps() -> list[tuple[int, int]]:
@@ -125,5 +174,5 @@ class CellMovesFuser(CellStepsFuser):
         """``log S_w(m)`` ``(Bq, cells)`` from ``log m`` ``(Bq, cells)`` as word ``t`` of ``text`` ``(Bq, Lt, width)`` is read."""
         log_0 = torch.finfo(log_m.dtype).min  # beyond the edge; finite so that gradients stay finite
         neighbours = self._neighbourhood(log_m, beyond_edge=log_0)  # (Bq, cells, 9)
-        log_shift = self._shift_logits(text, t).log_softmax(-1)  # (Bq, 9)
+        log_shift = self._log_shift(text, t)  # (Bq, 9)
         return torch.logsumexp(neighbours + log_shift[:, None, :], dim=-1)
