@@ -16,12 +16,13 @@ relation, pushed the next word to "no shift" by about 6 logits and no relation w
 ``shift_reads: word_steered_by_previous`` the word alone decides how much of the set moves, and the
 word before only where it goes.
 
-With ``shift_kernel: displacement`` a word does not choose among the nine shifts: it gives one
-displacement ``d = tanh(W word)`` in ``(-1, 1)^2``, and the set moves by ``d`` with bilinear
-weights (as a spatial transformer samples). A mix can hold half of the set one cell left and half
-one cell right, and so can serve "left of" and "right of" at once with "of"; a displacement
-cannot: the pulls of "left of" and "right of" on "of" cancel, and only "left" and "right" are
-pulled one way.
+With ``shift_kernel: displacement`` a word does not weigh the nine shifts one by one: it gives one
+displacement ``mu`` (rows, columns) and a sharpness ``c``, and the kept set moves by a Gaussian
+around ``mu`` on the neighbourhood: ``p_k`` proportional to ``exp(-c |step_k - mu|^2)``, ``c`` never
+below its start. A mix can lower its weight on "no shift" for "left of" and for "right of" at once,
+and so "of", pulled by both, leaves "no shift" first and moves half of the set each way; a
+displacement is pulled left and right by as much, and cannot spread wider than it starts, so the
+relation words, each pulled one way, move first.
 """
 
 from __future__ import annotations
@@ -61,20 +62,11 @@ def previous_steers(own: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
 READS_PREVIOUS = {"word_and_previous": previous_added, "word_steered_by_previous": previous_steers}
 """How each ``shift_reads`` that reads the word before combines it with the word's own logits."""
 
-DISPLACEMENT_START = 0.1
-"""Spread of a displacement's logits ``W word`` at the start (the weights' standard deviation times
-the square root of the width; the words are layer-normalised): ``|d|`` about 0.08 on each axis, so
-that about 0.85 of the kept set stays where it is, as with the mix's :data:`STAY_BIAS`, and each
-word leaks the rest to neighbours of its own."""
-
-
-def log_bilinear_weights(displacement: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Log of the bilinear weights ``(Bq, 9)`` by which a set moved by ``displacement`` ``(Bq, 2)``
-    (rows, columns, each in ``[-1, 1]``) takes each one-cell shift of ``steps`` ``(9, 2)``: the
-    product over the two axes of ``max(0, 1 - |step - d|)``. Weights of 0 give the float's least
-    log, so that no gradient is ``0 / 0``."""
-    weights = (1 - (steps - displacement[:, None, :]).abs()).clamp_min(0).prod(-1)  # (Bq, 9)
-    return weights.clamp_min(torch.finfo(weights.dtype).tiny).log()
+LEAST_SHARPNESS = 2.65
+"""The least ``c`` of a displacement's Gaussian, ``exp(-c |step - mu|^2)``; ``c = 2.65 + softplus(v)``
+starts at 3.34 (``v = 0``), where the set keeps 0.87 at ``mu = 0``, as the mix's :data:`STAY_BIAS`
+starts, and can only keep more (0.78 at the least): a word cannot spread the set both ways. A
+sharper ``c`` moves it exactly, or keeps it exactly."""
 
 
 @FUSERS.register
@@ -90,9 +82,9 @@ class CellMovesConfig(CellStepsConfig):
             (the word before cannot hold a word still). The word before's weights start at zero, so
             the reader starts as with ``word``.
         shift_kernel: how a word shifts the kept set: ``mix``, a distribution over the nine one-cell
-            shifts, ``softmax(W word)``; ``displacement``, one displacement ``tanh(W word)`` per word
-            applied with bilinear weights (it cannot move half of the set one way and half the other).
-            ``word_steered_by_previous`` steers a mix only.
+            shifts, ``softmax(W word)``; ``displacement``, one displacement ``mu`` and sharpness
+            ``c`` per word, the set moved by a Gaussian around ``mu`` (it cannot move half of the
+            set one way and half the other). ``word_steered_by_previous`` steers a mix only.
     """
 
     type: str = "cell_moves"
@@ -117,8 +109,9 @@ class CellMovesFuser(CellStepsFuser):
     ``p = softmax(W word)`` one distribution per word, whatever the image (``softmax(W word + V
     previous word)`` with ``shift_reads: word_and_previous``; with ``word_steered_by_previous``,
     ``p_stay`` is ``softmax(W word)``'s and the moves share the rest as ``softmax(W word + V previous
-    word)`` over the eight moves). With ``shift_kernel: displacement``, ``p`` is the bilinear weights
-    of one displacement ``tanh(W word)`` (plus ``V previous word`` inside the tanh with
+    word)`` over the eight moves). With ``shift_kernel: displacement``, ``W word = (2 c mu, v)`` and
+    ``p = softmax(2 c mu . step - c |step|^2)`` over the nine steps, ``c = 2.65 + softplus(v)``: a
+    Gaussian around the displacement ``mu`` (``V previous word`` added to ``W word`` with
     ``word_and_previous``). One offset that takes all the weight
     moves the whole set exactly, as "right of" asks; "no shift" keeps it, as the cell-steps reader
     does. Everything else (finds, the shared block, the gate) is the cell-steps reader's.
@@ -129,13 +122,11 @@ class CellMovesFuser(CellStepsFuser):
     def __init__(self, config: CellMovesConfig, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> None:
         super().__init__(config, dim, text_width=text_width, grid_size=grid_size)
         self.displaces = config.shift_kernel == "displacement"
-        outputs = 2 if self.displaces else NEIGHBOURHOOD * NEIGHBOURHOOD  # (rows, cols) or one logit per shift
+        outputs = 3 if self.displaces else NEIGHBOURHOOD * NEIGHBOURHOOD  # (2 c mu, v), or one logit per shift
         self.shift = nn.Linear(text_width, outputs)
         with torch.no_grad():
             self.shift.bias.zero_()
-            if self.displaces:
-                self.shift.weight.normal_(0.0, DISPLACEMENT_START / text_width ** 0.5)
-            else:
+            if not self.displaces:
                 self.shift.bias[STAY] = STAY_BIAS
         self.register_buffer("steps", torch.tensor(self.shift_steps(), dtype=torch.float32), persistent=False)  # (9, 2)
         self.shift_previous, self.read_previous = None, READS_PREVIOUS.get(config.shift_reads)
@@ -144,7 +135,7 @@ class CellMovesFuser(CellStepsFuser):
 
     def _shift_logits(self, text: torch.Tensor, t: int) -> torch.Tensor:
         """What the shift layer gives word ``t`` of ``text`` ``(Bq, Lt, width)``: a mix's logits
-        ``(Bq, 9)``, unnormalised, or a displacement's ``(Bq, 2)`` before the tanh
+        ``(Bq, 9)``, unnormalised, or a displacement's ``(2 c mu, v)`` ``(Bq, 3)``
         (:data:`READS_PREVIOUS` says how the word before counts)."""
         own = self.shift(text[:, t])
         if self.shift_previous is None or t == 0:
@@ -154,8 +145,10 @@ class CellMovesFuser(CellStepsFuser):
     def _log_shift(self, text: torch.Tensor, t: int) -> torch.Tensor:
         """Log of word ``t``'s weights ``(Bq, 9)`` over the nine shifts, in :meth:`shift_steps` order."""
         logits = self._shift_logits(text, t)
-        if self.displaces:
-            return log_bilinear_weights(torch.tanh(logits), self.steps.to(logits.dtype))
+        if self.displaces:  # -c |step - mu|^2, less c |mu|^2, the same for every step
+            steps = self.steps.to(logits.dtype)
+            sharpness = LEAST_SHARPNESS + F.softplus(logits[:, 2:])  # (Bq, 1)
+            logits = logits[:, :2] @ steps.T - sharpness * steps.square().sum(-1)  # (Bq, 9)
         return logits.log_softmax(-1)
 
     def shifts(self, text: torch.Tensor) -> torch.Tensor:
