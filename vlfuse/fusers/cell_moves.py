@@ -18,11 +18,11 @@ word before only where it goes.
 
 With ``shift_kernel: displacement`` a word does not weigh the nine shifts one by one: it gives one
 displacement ``mu`` (rows, columns) and a sharpness ``c``, and the kept set moves by a Gaussian
-around ``mu`` on the neighbourhood: ``p_k`` proportional to ``exp(-c |step_k - mu|^2)``, ``c`` never
-below its start. A mix can lower its weight on "no shift" for "left of" and for "right of" at once,
+around ``mu`` on the neighbourhood: ``p_k`` proportional to ``exp(-c |step_k - mu|^2)``, ``c`` bounded
+below. A mix can lower its weight on "no shift" for "left of" and for "right of" at once,
 and so "of", pulled by both, leaves "no shift" first and moves half of the set each way; a
-displacement is pulled left and right by as much, and cannot spread wider than it starts, so the
-relation words, each pulled one way, move first.
+displacement is pulled left and right by as much, and cannot spread much wider than it starts, so
+the relation words, each pulled one way, should move first.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ READS_PREVIOUS = {"word_and_previous": previous_added, "word_steered_by_previous
 LEAST_SHARPNESS = 2.65
 """The least ``c`` of a displacement's Gaussian, ``exp(-c |step - mu|^2)``; ``c = 2.65 + softplus(v)``
 starts at 3.34 (``v = 0``), where the set keeps 0.87 at ``mu = 0``, as the mix's :data:`STAY_BIAS`
-starts, and can only keep more (0.78 at the least): a word cannot spread the set both ways. A
-sharper ``c`` moves it exactly, or keeps it exactly."""
+starts; at the least ``c`` the set keeps 0.77 (a mix can keep nothing): no word can move most of
+the set both ways. A sharper ``c`` moves it exactly, or keeps it exactly."""
 
 
 @FUSERS.register
