@@ -69,6 +69,45 @@ starts; at the least ``c`` the set keeps 0.77 (a mix can keep nothing): no word 
 the set both ways. A sharper ``c`` moves it exactly, or keeps it exactly."""
 
 
+class MixKernel:
+    """``shift_kernel: mix``: a logit per shift, ``softmax(W word)``, "no shift" starting at
+    :data:`STAY_BIAS`."""
+
+    outputs = NEIGHBOURHOOD * NEIGHBOURHOOD
+
+    @staticmethod
+    def start(bias: torch.Tensor) -> None:
+        bias.zero_()
+        bias[STAY] = STAY_BIAS
+
+    @staticmethod
+    def log_weights(logits: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """``(Bq, 9)`` logits -> log-weights ``(Bq, 9)``."""
+        return logits.log_softmax(-1)
+
+
+class DisplacementKernel:
+    """``shift_kernel: displacement``: ``W word = (2 c mu, v)``, a Gaussian around the displacement
+    ``mu`` of sharpness ``c = LEAST_SHARPNESS + softplus(v)``: ``softmax(2 c mu . step - c |step|^2)``."""
+
+    outputs = 3
+
+    @staticmethod
+    def start(bias: torch.Tensor) -> None:
+        bias.zero_()
+
+    @staticmethod
+    def log_weights(logits: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """``(Bq, 3)`` ``(2 c mu, v)`` and the steps ``(9, 2)`` -> log-weights ``(Bq, 9)``: ``-c |step - mu|^2``
+        less ``c |mu|^2``, the same for every step."""
+        sharpness = LEAST_SHARPNESS + F.softplus(logits[:, 2:])  # (Bq, 1)
+        return (logits[:, :2] @ steps.T - sharpness * steps.square().sum(-1)).log_softmax(-1)
+
+
+SHIFT_KERNELS = {"mix": MixKernel, "displacement": DisplacementKernel}
+"""The ``shift_kernel`` options: how a word's outputs become its weights over the nine shifts."""
+
+
 @FUSERS.register
 @dataclass
 class CellMovesConfig(CellStepsConfig):
@@ -89,7 +128,7 @@ class CellMovesConfig(CellStepsConfig):
 
     type: str = "cell_moves"
     shift_reads: Literal["word", "word_and_previous", "word_steered_by_previous"] = "word"
-    shift_kernel: Literal["mix", "displacement"] = "mix"
+    shift_kernel: Literal["mix", "displacement"] = "mix"  # a key of SHIFT_KERNELS
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,22 +160,18 @@ class CellMovesFuser(CellStepsFuser):
 
     def __init__(self, config: CellMovesConfig, dim: int, *, text_width: int, grid_size: tuple[int, int]) -> None:
         super().__init__(config, dim, text_width=text_width, grid_size=grid_size)
-        self.displaces = config.shift_kernel == "displacement"
-        outputs = 3 if self.displaces else NEIGHBOURHOOD * NEIGHBOURHOOD  # (2 c mu, v), or one logit per shift
-        self.shift = nn.Linear(text_width, outputs)
+        self.kernel = SHIFT_KERNELS[config.shift_kernel]
+        self.shift = nn.Linear(text_width, self.kernel.outputs)
         with torch.no_grad():
-            self.shift.bias.zero_()
-            if not self.displaces:
-                self.shift.bias[STAY] = STAY_BIAS
+            self.kernel.start(self.shift.bias)
         self.register_buffer("steps", torch.tensor(self.shift_steps(), dtype=torch.float32), persistent=False)  # (9, 2)
         self.shift_previous, self.read_previous = None, READS_PREVIOUS.get(config.shift_reads)
         if self.read_previous is not None:  # zeros: draws nothing from the random generator
-            self.shift_previous = nn.Parameter(torch.zeros(outputs, text_width))
+            self.shift_previous = nn.Parameter(torch.zeros(self.kernel.outputs, text_width))
 
     def _shift_logits(self, text: torch.Tensor, t: int) -> torch.Tensor:
-        """What the shift layer gives word ``t`` of ``text`` ``(Bq, Lt, width)``: a mix's logits
-        ``(Bq, 9)``, unnormalised, or a displacement's ``(2 c mu, v)`` ``(Bq, 3)``
-        (:data:`READS_PREVIOUS` says how the word before counts)."""
+        """What the shift layer gives word ``t`` of ``text`` ``(Bq, Lt, width)``: ``(Bq, outputs)``
+        of its kernel (:data:`SHIFT_KERNELS`; :data:`READS_PREVIOUS` says how the word before counts)."""
         own = self.shift(text[:, t])
         if self.shift_previous is None or t == 0:
             return own
@@ -145,11 +180,7 @@ class CellMovesFuser(CellStepsFuser):
     def _log_shift(self, text: torch.Tensor, t: int) -> torch.Tensor:
         """Log of word ``t``'s weights ``(Bq, 9)`` over the nine shifts, in :meth:`shift_steps` order."""
         logits = self._shift_logits(text, t)
-        if self.displaces:  # -c |step - mu|^2, less c |mu|^2, the same for every step
-            steps = self.steps.to(logits.dtype)
-            sharpness = LEAST_SHARPNESS + F.softplus(logits[:, 2:])  # (Bq, 1)
-            logits = logits[:, :2] @ steps.T - sharpness * steps.square().sum(-1)  # (Bq, 9)
-        return logits.log_softmax(-1)
+        return self.kernel.log_weights(logits, self.steps.to(logits.dtype))
 
     def shifts(self, text: torch.Tensor) -> torch.Tensor:
         """Each word's distribution over the nine shifts as the reader applies it in its question:
