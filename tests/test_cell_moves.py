@@ -101,11 +101,13 @@ def test_saves_and_loads_with_identical_logits(tmp_path):
                                    answer(model, pixels, QUESTIONS, index).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("reads", ["word_and_previous", "word_steered_by_previous"])
-def test_a_shift_that_reads_the_previous_word_starts_as_the_word_alone_and_draws_nothing_more(reads):
+@pytest.mark.parametrize("reads, kernel", [("word_and_previous", "mix"), ("word_steered_by_previous", "mix"),
+                                           ("word_and_previous", "displacement")])
+def test_a_shift_that_reads_the_previous_word_starts_as_the_word_alone_and_draws_nothing_more(reads, kernel):
     """A shift that reads the word before starts at zero: the same seed gives the same weights (the
     random generator is not drawn from) and the same logits as ``word``."""
-    alone, with_previous = cell_moves_model().eval(), cell_moves_model(shift_reads=reads).eval()
+    alone = cell_moves_model(shift_kernel=kernel).eval()
+    with_previous = cell_moves_model(shift_reads=reads, shift_kernel=kernel).eval()
     assert with_previous.fuser.shift_previous.abs().sum() == 0
     weights = alone.state_dict()
     assert set(with_previous.state_dict()) - set(weights) == {"fuser.shift_previous"}
