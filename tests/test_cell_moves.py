@@ -32,6 +32,21 @@ def shift_only_to(fuser: CellMovesFuser, step: tuple[int, int]) -> None:
         fuser.shift.bias[fuser.shift_steps().index(step)] = 0.0
 
 
+def assert_moves_exactly(fuser: CellMovesFuser, step: tuple[int, int]) -> None:
+    """What the gate keeps of a random set is the set moved by ``step`` (rows, cols): what reached the
+    edge is gone, and nothing stays behind."""
+    rows, cols = fuser.grid_size
+    m = torch.rand(2, rows, cols)
+    kept = fuser._kept(m.flatten(1).log(), torch.randn(2, 1, fuser.shift.in_features), 0).exp().reshape(2, rows, cols)
+    expected = torch.zeros_like(m)
+    dr, dc = step
+    for r in range(rows):
+        for c in range(cols):
+            if 0 <= r - dr < rows and 0 <= c - dc < cols:
+                expected[:, r, c] = m[:, r - dr, c - dc]
+    torch.testing.assert_close(kept, expected, atol=1e-6, rtol=1e-5)
+
+
 def test_it_is_built_by_type_and_every_parameter_gets_a_gradient():
     model = cell_moves_model()
     assert isinstance(model.fuser, CellMovesFuser)
@@ -56,17 +71,8 @@ def test_it_starts_by_keeping_most_of_the_set_where_it_is():
 def test_a_word_with_all_its_weight_on_one_shift_moves_the_set_exactly(step):
     """``right of``: the set moves one column right; what reached the edge is gone, nothing stays behind."""
     fuser = cell_moves_model().fuser
-    rows, cols = fuser.grid_size
     shift_only_to(fuser, step)
-    m = torch.rand(2, rows, cols)
-    kept = fuser._kept(m.flatten(1).log(), torch.randn(2, 1, fuser.shift.in_features), 0).exp().reshape(2, rows, cols)
-    expected = torch.zeros_like(m)
-    dr, dc = step
-    for r in range(rows):
-        for c in range(cols):
-            if 0 <= r - dr < rows and 0 <= c - dc < cols:
-                expected[:, r, c] = m[:, r - dr, c - dc]
-    torch.testing.assert_close(kept, expected, atol=1e-6, rtol=1e-5)
+    assert_moves_exactly(fuser, step)
 
 
 def test_two_moves_right_compose_to_two_columns_and_give_up_where_they_started():
@@ -219,17 +225,8 @@ def test_a_displacement_weights_the_steps_as_a_gaussian_around_it():
 @pytest.mark.parametrize("step", [(0, 1), (0, -1), (-1, 0), (1, 0), (0, 0)])
 def test_a_sharp_displacement_of_one_cell_moves_the_set_exactly(step):
     fuser = cell_moves_model(shift_kernel="displacement").fuser
-    rows, cols = fuser.grid_size
     displace_by(fuser, step, sharpness=30.0)
-    m = torch.rand(2, rows, cols)
-    kept = fuser._kept(m.flatten(1).log(), torch.randn(2, 1, fuser.shift.in_features), 0).exp().reshape(2, rows, cols)
-    expected = torch.zeros_like(m)
-    dr, dc = step
-    for r in range(rows):
-        for c in range(cols):
-            if 0 <= r - dr < rows and 0 <= c - dc < cols:
-                expected[:, r, c] = m[:, r - dr, c - dc]
-    torch.testing.assert_close(kept, expected, atol=1e-6, rtol=1e-5)
+    assert_moves_exactly(fuser, step)
 
 
 def test_a_displacement_cannot_spread_the_set_wider_than_it_starts():
