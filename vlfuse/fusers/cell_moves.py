@@ -20,7 +20,7 @@ With ``shift_kernel: displacement`` a word does not weigh the nine shifts one by
 displacement ``mu`` (rows, columns) and a sharpness ``c``, and the kept set moves by a Gaussian
 around ``mu`` on the neighbourhood: ``p_k`` proportional to ``exp(-c |step_k - mu|^2)``, ``c`` bounded
 below. A mix can lower its weight on "no shift" for "left of" and for "right of" at once,
-and so "of", pulled by both, leaves "no shift" first and moves half of the set each way; a
+and so "of", pulled off "no shift" by both, can move half of the set each way (seed 5); a
 displacement is pulled left and right by as much, and cannot spread much wider than it starts, so
 the relation words, each pulled one way, move first: on SHAPES "left" and "right" took the
 horizontal moves and "of" kept "no shift" on all ten seeds (docs/results.md, issue 38).
