@@ -107,11 +107,14 @@ def test_saves_and_loads_with_identical_logits(tmp_path):
                                    answer(model, pixels, QUESTIONS, index).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("reads, kernel", [("word_and_previous", "mix"), ("word_steered_by_previous", "mix"),
-                                           ("word_and_previous", "displacement")])
-def test_a_shift_that_reads_the_previous_word_starts_as_the_word_alone_and_draws_nothing_more(reads, kernel):
+@pytest.mark.parametrize("reads, kernel, atol", [("word_and_previous", "mix", 0),
+                                                 ("word_steered_by_previous", "mix", 1e-5),
+                                                 ("word_and_previous", "displacement", 0)])
+def test_a_shift_that_reads_the_previous_word_starts_as_the_word_alone_and_draws_nothing_more(reads, kernel, atol):
     """A shift that reads the word before starts at zero: the same seed gives the same weights (the
-    random generator is not drawn from) and the same logits as ``word``."""
+    random generator is not drawn from) and the same logits as ``word``. Adding a zero is exact; a
+    steer renormalises the moves (``log_softmax`` then ``+ logsumexp``), equal to them only up to
+    rounding, which differs between CPUs' vector units (2.4e-7 seen on CI)."""
     alone = cell_moves_model(shift_kernel=kernel).eval()
     with_previous = cell_moves_model(shift_reads=reads, shift_kernel=kernel).eval()
     assert with_previous.fuser.shift_previous.abs().sum() == 0
@@ -122,7 +125,7 @@ def test_a_shift_that_reads_the_previous_word_starts_as_the_word_alone_and_draws
     pixels, index = torch.rand(2, 3, 32, 32), torch.tensor([0, 1, 1])
     with torch.no_grad():
         torch.testing.assert_close(answer(with_previous, pixels, QUESTIONS, index).logits,
-                                   answer(alone, pixels, QUESTIONS, index).logits, rtol=0, atol=0)
+                                   answer(alone, pixels, QUESTIONS, index).logits, rtol=0, atol=atol)
 
 
 def test_a_word_that_reads_the_previous_word_shifts_by_it_and_learns_from_it():
