@@ -19,6 +19,9 @@ scored by the same metrics (fact precision, object recall, BLEU-4, CIDEr-D).
 With several ``--lrs``, each model and seed trains at each rate and the rate with the best
 validation ``--pick`` score is marked in the table. ``OUT/caption_peers.md`` holds the table,
 ``OUT/caption_peers.csv`` every run. ``--quick`` trains on a few scenes for one epoch (a smoke test).
+``--save-weights`` also keeps each run's best-epoch weights as
+``OUT/weights/<model>_seed<seed>_lr<lr>.safetensors`` (what ``scripts/bench_peers_speed.py --trained``
+reads).
 """
 
 from __future__ import annotations
@@ -27,16 +30,19 @@ import argparse
 import copy
 import csv
 import logging
+import os
 import time
 from pathlib import Path
 
 import lightning as L
 import torch
+from safetensors.torch import save as safetensors_bytes
 from _common import REPO, add_threads_argument, load_datamodule, set_threads
 from lightning.pytorch.callbacks import Callback
 
 from vlfuse.analysis.data import read_config
 from vlfuse.analysis.tables import markdown_table
+from vlfuse.atomic import replace_file
 from vlfuse.baselines.hf_caption import HFCaptionPeer
 from vlfuse.captioning import CaptionConfig
 from vlfuse.captioning.lit import CaptionLitModule, training_captions
@@ -104,6 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pick", choices=SCORES, default="fact_precision", help="validation score that picks the rate (default fact_precision)")
     parser.add_argument("--quick", action="store_true", help="a few scenes, one epoch: a smoke test")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "compare_caption_peers", help="folder of the table and CSV")
+    parser.add_argument("--save-weights", action="store_true", help="keep each run's best-epoch weights in OUT/weights/")
     add_threads_argument(parser)
     args = parser.parse_args(argv)
     if args.epochs is not None and args.epochs < 1:
@@ -132,6 +139,8 @@ def train_one(name: str, config: dict, args: argparse.Namespace, seed: int, lr: 
     fit_seconds = time.perf_counter() - start
     _, best_epoch, state, val = clock.best
     module.model.load_state_dict(state)
+    if args.save_weights:
+        save_weights(state, args.out / "weights" / weights_name(name, seed, lr))
     test = {k: float(v) for k, v in trainer.test(module, datamodule=datamodule, verbose=False)[0].items()}
     row = {"model": name, "seed": seed, "lr": lr, "epochs": epochs,
            "parameters": sum(p.numel() for p in module.model.parameters()),
@@ -140,6 +149,18 @@ def train_one(name: str, config: dict, args: argparse.Namespace, seed: int, lr: 
     row.update({f"val_{s}": round(val[f"val/{s}"], 5) for s in SCORES})
     row.update({f"test_{s}": round(test[f"test/{s}"], 5) for s in SCORES})
     return row
+
+
+def weights_name(model: str, seed: int, lr: float) -> str:
+    """The file name of a run's saved weights."""
+    return f"{model}_seed{seed}_lr{lr:g}.safetensors"
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``state`` as a safetensors file at ``path``, written atomically (a tied weight under each of its names)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = safetensors_bytes({name: tensor.detach().clone().contiguous() for name, tensor in state.items()})
+    replace_file(path, path.with_name(f".{path.name}.{os.getpid()}.tmp"), lambda file: file.write(data))
 
 
 def mark_picked(rows: list[dict], pick: str) -> None:

@@ -23,6 +23,21 @@ def trained_to_say(caption: str, steps: int = 60):
     return model.eval()
 
 
+def trained_to_tell_apart(short: str, long: str, steps: int = 80):
+    """A tiny caption model fitted to write ``short`` for a black image and ``long`` for a white one."""
+    model = tiny_caption_model().train()
+    pixels = torch.cat([torch.zeros(2, 3, 30, 30), torch.ones(2, 3, 30, 30)])
+    ids = model.tokenize([short, short, long, long])  # (4, L), the short ones padded
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        logits = model(pixels, ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), ignore_index=model.pad_id)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_caption_model(seed=3)
@@ -87,3 +102,25 @@ def test_beam_search_keeps_each_images_attention_with_its_own_caption(model, con
     alone = beam_search(model, context.select(slice(2, 3)), beam_size=3, max_length=5, attention_layers=[0])
     assert together[2].ids == alone[0].ids
     torch.testing.assert_close(together[2].attentions[0], alone[0].attentions[0], atol=1e-5, rtol=1e-4)
+
+
+def test_a_finished_caption_leaves_the_batch_and_the_others_are_written_as_alone():
+    short, long = "there is a blue square .", "a red square is left of a blue circle . there is a blue circle ."
+    model = trained_to_tell_apart(short, long)
+    context = model.encode_images(torch.tensor([0.0, 1.0, 0.0, 1.0])[:, None, None, None].expand(4, 3, 30, 30))
+    rows_run = []
+    hook = model.decoder.register_forward_pre_hook(lambda module, args: rows_run.append(args[0].shape[0]))
+    try:
+        together = greedy(model, context, attention_layers=[1])
+    finally:
+        hook.remove()
+    assert [c.text for c in together] == [short, long, short, long]
+    short_steps, long_steps = len(short.split()) + 1, len(long.split()) + 1  # the end token included
+    assert rows_run == [4] * short_steps + [2] * (long_steps - short_steps)  # the short captions left
+    for row, caption in enumerate(together):
+        [alone] = greedy(model, context.select(slice(row, row + 1)), attention_layers=[1])
+        assert caption.ids == alone.ids and caption.ids[-1] == model.eos_id
+        assert caption.score == pytest.approx(alone.score, abs=1e-4)
+        torch.testing.assert_close(caption.attentions[1], alone.attentions[1], atol=1e-5, rtol=1e-4)
+    recomputed = greedy(model, context, use_cache=False)
+    assert [c.ids for c in recomputed] == [c.ids for c in together]

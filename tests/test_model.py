@@ -241,3 +241,14 @@ def test_image_context_rows_selected_and_concatenated_equal_encoding_those_image
     for got, want in zip(parts.features, direct.features, strict=True):
         torch.testing.assert_close(got.key, want.key, atol=1e-6, rtol=0)
         torch.testing.assert_close(got.value, want.value, atol=1e-6, rtol=0)
+
+
+def test_a_contiguous_image_context_holds_the_same_keys_laid_out_head_by_head():
+    model, batch = make_model()
+    with torch.no_grad():
+        context = model.eval().encode_images(batch["pixel_values"])
+    laid_out = context.contiguous()
+    assert not context.features[0].key.is_contiguous()  # the projection's layout: token by token
+    for got, want in zip(laid_out.features, context.features, strict=True):
+        assert got.key.is_contiguous() and got.value.is_contiguous()
+        assert torch.equal(got.key, want.key) and torch.equal(got.value, want.value)

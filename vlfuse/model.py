@@ -129,6 +129,11 @@ class ImageContext:
         """The images ``index`` (a slice gives views, no copy)."""
         return _combine([self], lambda tensors: tensors[0][index])
 
+    def contiguous(self) -> "ImageContext":
+        """The same features, each tensor laid out in its own shape's order (e.g. keys ``(Bi, H, Li, hd)``
+        head by head instead of the projection's token by token): a copy where the layout differs."""
+        return _combine([self], lambda tensors: tensors[0].contiguous())
+
     @staticmethod
     def cat(contexts: Sequence["ImageContext"]) -> "ImageContext":
         """One context of all the images of ``contexts``, in order."""

@@ -41,7 +41,8 @@ class _Steps:
     def __init__(
         self, model: CaptionModel, context: ImageContext, image_index: torch.Tensor | None, use_cache: bool, layers
     ) -> None:
-        self.model, self.context, self.image_index, self.layers = model, context, image_index, tuple(layers)
+        # every step reads all the image keys/values: laid out head by head, attention reads them faster
+        self.model, self.context, self.image_index, self.layers = model, context.contiguous(), image_index, tuple(layers)
         self.cache: DecoderCache | None = model.new_cache() if use_cache else None
 
     def scores(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -53,11 +54,14 @@ class _Steps:
         return out.logits[:, -1].float().log_softmax(-1), weights
 
     def select(self, rows: torch.Tensor) -> None:
-        """Follow the rows ``rows`` (beam search); the image of each row moves with it."""
+        """Follow the rows ``rows`` (beam search's surviving beams, greedy's unfinished captions); the
+        image of each row moves with it."""
         if self.cache is not None:
             self.cache.select(rows)
         if self.image_index is not None:
             self.image_index = self.image_index[rows]
+        else:
+            self.context = self.context.select(rows)
 
 
 def _limit(model: CaptionModel, max_length: int | None) -> int:
@@ -91,6 +95,9 @@ def greedy(
 ) -> list[Caption]:
     """The most probable next word, each step, for every image of ``image_context`` (a batch).
 
+    A caption that has written the end token leaves the batch: later steps run the decoder on the
+    captions still being written only (their cache rows and images with them).
+
     Args:
         model: the caption model (call in eval mode).
         image_context: from :meth:`CaptionModel.encode_images`.
@@ -101,24 +108,30 @@ def greedy(
     limit = _limit(model, max_length)
     rows = image_context.features[0].batch_size
     device = image_context.features[0].key.device
-    tokens = torch.full((rows, 1), model.bos_id, dtype=torch.long, device=device)
+    tokens = torch.full((rows, 1 + limit), model.pad_id, dtype=torch.long, device=device)
+    tokens[:, 0] = model.bos_id
+    writing = torch.arange(rows, device=device)  # (R,) the caption of each row still being written
     steps = _Steps(model, image_context, None, use_cache, attention_layers)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
     scores = torch.zeros(rows, device=device)
-    history: dict[int, list[torch.Tensor]] = {layer: [] for layer in attention_layers}
-    for _ in range(limit):
-        log_probs, weights = steps.scores(tokens)
+    history: dict[int, torch.Tensor] = {}
+    for step in range(1, limit + 1):
+        log_probs, weights = steps.scores(tokens[writing, :step])
         best, word = log_probs.max(-1)  # (R,)
-        scores += torch.where(done, 0.0, best)
-        word = word.masked_fill(done, model.pad_id)
-        tokens = torch.cat([tokens, word[:, None]], dim=1)
-        for layer, w in weights.items():
-            history[layer].append(w)
-        done |= word == model.eos_id
-        if bool(done.all()):
+        scores[writing] += best
+        tokens[writing, step] = word
+        for layer, w in weights.items():  # w: (R, H, Li)
+            if layer not in history:
+                history[layer] = w.new_zeros(rows, limit, *w.shape[1:])  # (B, T, H, Li)
+            history[layer][writing, step - 1] = w
+        going = word != model.eos_id
+        if not bool(going.any()):
             break
-    attentions = {layer: torch.stack(ws, dim=1) for layer, ws in history.items()}  # (R, T, H, Li)
-    return _captions(model, tokens, scores, attentions)
+        if not bool(going.all()):
+            kept = going.nonzero().squeeze(1)
+            writing = writing[kept]
+            steps.select(kept)
+    attentions = {layer: w[:, :step] for layer, w in history.items()}
+    return _captions(model, tokens[:, : 1 + step], scores, attentions)
 
 
 @torch.no_grad()
