@@ -20,8 +20,8 @@ With several ``--lrs``, each model and seed trains at each rate and the rate wit
 validation ``--pick`` score is marked in the table. ``OUT/caption_peers.md`` holds the table,
 ``OUT/caption_peers.csv`` every run. ``--quick`` trains on a few scenes for one epoch (a smoke test).
 ``--save-weights`` also keeps each run's best-epoch weights as
-``OUT/weights/<model>_seed<seed>_lr<lr>.safetensors`` (what ``scripts/bench_peers_speed.py --trained``
-reads).
+``OUT/weights/<model>_seed<seed>_lr<lr>.safetensors``, its word tokenizer in the file's metadata
+(what ``scripts/bench_trained_generation.py`` reads).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def train_one(name: str, config: dict, args: argparse.Namespace, seed: int, lr: 
     _, best_epoch, state, val = clock.best
     module.model.load_state_dict(state)
     if args.save_weights:
-        save_weights(state, args.out / "weights" / weights_name(name, seed, lr))
+        save_weights(state, module.model.tokenizer, args.out / "weights" / weights_name(name, seed, lr))
     test = {k: float(v) for k, v in trainer.test(module, datamodule=datamodule, verbose=False)[0].items()}
     row = {"model": name, "seed": seed, "lr": lr, "epochs": epochs,
            "parameters": sum(p.numel() for p in module.model.parameters()),
@@ -156,10 +156,12 @@ def weights_name(model: str, seed: int, lr: float) -> str:
     return f"{model}_seed{seed}_lr{lr:g}.safetensors"
 
 
-def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    """``state`` as a safetensors file at ``path``, written atomically (a tied weight under each of its names)."""
+def save_weights(state: dict[str, torch.Tensor], tokenizer, path: Path) -> None:
+    """``state`` as a safetensors file at ``path``, written atomically (a tied weight under each of its
+    names), with ``tokenizer`` (a word tokenizer) as JSON in the metadata's ``tokenizer``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = safetensors_bytes({name: tensor.detach().clone().contiguous() for name, tensor in state.items()})
+    tensors = {name: tensor.detach().clone().contiguous() for name, tensor in state.items()}
+    data = safetensors_bytes(tensors, metadata={"tokenizer": tokenizer.backend_tokenizer.to_str()})
     replace_file(path, path.with_name(f".{path.name}.{os.getpid()}.tmp"), lambda file: file.write(data))
 
 

@@ -12,12 +12,14 @@ from vlfuse.baselines.hf_caption import HFCaptionPeer
 from vlfuse.captioning import CaptionConfig, CaptionModel, SceneCaptionScores, describe
 from vlfuse.data import IGNORE_INDEX
 from vlfuse.data.shapes import render_scenes, sample_scenes
-from vlfuse.encoders import ImageEncoderConfig
+from vlfuse.captioning.lit import training_captions
+from vlfuse.encoders import ImageEncoderConfig, build_word_tokenizer
 
 from conftest import REPO, load_script
 
 compare = load_script("compare_caption_peers")
 bench = load_script("bench_peers_speed")
+trained_bench = load_script("bench_trained_generation")
 
 TINY = CaptionConfig(
     image=ImageEncoderConfig(image_size=30, patch_size=10, width=16, depth=1, num_heads=2),
@@ -85,8 +87,8 @@ def test_the_peer_is_the_size_of_the_shapes_caption_model():
     assert decoder.is_decoder and decoder.add_cross_attention and decoder.num_attention_heads == config.heads
 
 
-def test_compare_caption_peers_quick_trains_and_scores_both(tmp_path, one_thread):
-    assert compare.main(["--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
+def test_compare_caption_peers_quick_trains_and_scores_both_and_the_trained_bench_reads_their_weights(tmp_path, one_thread, capsys):
+    assert compare.main(["--quick", "--threads", "1", "--save-weights", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "caption_peers.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["model"] for r in rows] == ["vlfuse", "hf"]
@@ -94,6 +96,20 @@ def test_compare_caption_peers_quick_trains_and_scores_both(tmp_path, one_thread
         assert float(row["train_s"]) > 0 and int(row["parameters"]) > 0
         assert all(0.0 <= float(row[f"test_{s}"]) <= 1.0 for s in ("fact_precision", "object_recall"))
     assert "| vlfuse |" in (tmp_path / "caption_peers.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["hf_seed0_lr0.001.safetensors", "vlfuse_seed0_lr0.001.safetensors"]
+
+    capsys.readouterr()
+    weights = ["--weights", str(tmp_path / "weights"), "--lr", "1e-3"]
+    assert trained_bench.main([*weights, "--threads", "1", "--images", "2", "--repeats", "1", "--warmup", "0"]) == 0
+    table = capsys.readouterr().out
+    assert "| vlfuse greedy |" in table and "| transformers generate |" in table
+    config = CaptionConfig.from_dict(read_config(REPO / "configs" / "shapes_captions.yaml")["model"]["init_args"]["caption_model"])
+    args = trained_bench.parse_args(weights)
+    trained_on = build_word_tokenizer(training_captions(compare.load_datamodule(compare.DEFAULT_CONFIG, compare.QUICK_DATA)), 96)
+    for name in ("vlfuse", "hf"):  # the tokenizer of the run, saved with its weights
+        assert trained_bench.load_trained(name, config, args).tokenizer.get_vocab() == trained_on.get_vocab()
+    with pytest.raises(SystemExit, match="vlfuse_seed0_lr0.002.safetensors not found"):
+        trained_bench.load_trained("vlfuse", config, trained_bench.parse_args(["--weights", str(tmp_path / "weights")]))
 
 
 def test_bench_peers_speed_quick_times_every_case_against_vlfuse(tmp_path, capsys):

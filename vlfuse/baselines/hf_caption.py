@@ -90,7 +90,12 @@ class HFCaptionPeer(CaptionTokens, nn.Module):
     def from_caption_config(cls, config: CaptionConfig, captions: Iterable[str]) -> "HFCaptionPeer":
         """A new peer at the size of ``config``, its word-level tokenizer knowing every word of ``captions``
         (the tokenizer :meth:`CaptionModel.from_config <vlfuse.captioning.CaptionModel.from_config>` builds)."""
-        processor = caption_processor(config, build_word_tokenizer(captions, config.max_length))
+        return cls.from_processor(config, caption_processor(config, build_word_tokenizer(captions, config.max_length)))
+
+    @classmethod
+    def from_processor(cls, config: CaptionConfig, processor: VLFuseProcessor) -> "HFCaptionPeer":
+        """A new peer at the size of ``config`` with the tokenizer of ``processor`` (from
+        :func:`~vlfuse.captioning.model.caption_processor`)."""
         tokenizer = processor.tokenizer
         special = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.cls_token_id, "eos_token_id": tokenizer.sep_token_id}
         encoder = ViTModel(vit_config(config), add_pooling_layer=False)

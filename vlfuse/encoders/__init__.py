@@ -3,7 +3,7 @@
 from vlfuse.encoders.cache import FeatureCache, TokenCache
 from vlfuse.encoders.image import ImageEncoder, ImageEncoderConfig
 from vlfuse.encoders.text import TextEncoder, TextEncoderConfig, saved_text_config, scratch_config
-from vlfuse.encoders.tokenizer import build_word_tokenizer, load_saved_tokenizer, load_tokenizer
+from vlfuse.encoders.tokenizer import build_word_tokenizer, load_saved_tokenizer, load_tokenizer, word_tokenizer_from_json
 
 __all__ = [
     "FeatureCache",
@@ -17,4 +17,5 @@ __all__ = [
     "load_tokenizer",
     "saved_text_config",
     "scratch_config",
+    "word_tokenizer_from_json",
 ]

@@ -34,6 +34,16 @@ def build_word_tokenizer(questions: Iterable[str], max_length: int) -> PreTraine
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
     )
+    return _with_special_tokens(tokenizer, max_length)
+
+
+def word_tokenizer_from_json(text: str, max_length: int) -> PreTrainedTokenizerFast:
+    """The word-level tokenizer whose ``backend_tokenizer.to_str()`` is ``text`` (JSON: read, nothing run)."""
+    return _with_special_tokens(Tokenizer.from_str(text), max_length)
+
+
+def _with_special_tokens(tokenizer: Tokenizer, max_length: int) -> PreTrainedTokenizerFast:
+    """``tokenizer`` as transformers' fast tokenizer, with the special tokens of :data:`SPECIAL_TOKENS`."""
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         unk_token="[UNK]",
