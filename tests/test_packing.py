@@ -60,6 +60,16 @@ IMAGE_INDEX = torch.tensor([2, 0, 2, 1, 0, 2])
 """The image of each of :func:`padded_questions`' rows (3 images, unsorted, one row without tokens)."""
 
 
+def test_rows_that_read_their_own_image_with_no_padding_are_grouped_without_counting(monkeypatch):
+    x = torch.randn(4, 3, 8)
+    monkeypatch.setattr(torch, "bincount", None)  # nothing is counted
+    groups = PackedTokens.of(x, None, None, 4).groups
+    assert (groups.num_contexts, groups.size) == (4, 3) and groups.in_place
+    tokens = x.reshape(12, 8)
+    assert groups.group(tokens).data_ptr() == tokens.data_ptr()
+    torch.testing.assert_close(groups.ungroup(groups.group(tokens)), tokens, rtol=0, atol=0)
+
+
 def test_packed_tokens_go_back_to_their_rows_with_zeros_at_padding():
     x, mask = padded_questions()
     layout = PackedTokens.of(x, mask, IMAGE_INDEX, num_images=3)

@@ -125,8 +125,11 @@ class PackedTokens(TokenPacking):
     def __init__(self, batch: int, length: int, mask: torch.Tensor | None, image_index: torch.Tensor | None,
                  num_images: int, device=None) -> None:
         super().__init__(batch, length, mask, device=device)
-        image_of_token = self.rows if image_index is None else image_index[self.rows]  # (N,)
-        self.groups = ContextGroups(image_of_token, num_images)
+        if image_index is None and self.index is None:  # every token real, row b reads image b: nothing to count
+            self.groups = RowGroups(self.rows, batch, length)
+        else:
+            image_of_token = self.rows if image_index is None else image_index[self.rows]  # (N,)
+            self.groups = ContextGroups(image_of_token, num_images)
 
     @classmethod
     def of(cls, x: torch.Tensor, mask: torch.Tensor | None, image_index: torch.Tensor | None, num_images: int) -> "PackedTokens":
@@ -147,6 +150,8 @@ class RowGroups(ContextGroups):
 
     The grouping of :class:`PaddedTokens`: row ``b`` reads context row ``b`` (contexts shared
     between rows are copied to their rows first). Nothing is counted, so nothing depends on the data.
+    Also :class:`PackedTokens`' grouping when every token is real and row ``b`` reads image ``b``
+    (e.g. each step of greedy decoding), where :class:`ContextGroups` would count its way to the same.
 
     Args:
         rows: ``(B * L,)`` the row of each token.
