@@ -16,6 +16,10 @@ not the training scenes' seed) in one batch with each model, in a rotating order
 as the median and the worst (lowest). Beside the times: each model's mean tokens per caption (the
 end token included), its fact precision on these scenes (both must be real captions), and the share
 of scenes on which both models wrote the same caption.
+
+``--leave-at F ...`` adds a case of vlfuse's greedy per share ``F`` of ended captions at which their
+rows leave the batch (:data:`vlfuse.captioning.generate.LEAVE_AT`; a tiny share: as soon as one
+ends; above 1: never, as ``generate`` does); the script stops if one writes other captions.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from vlfuse.analysis.data import read_config
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.analysis.timing import time_interleaved
 from vlfuse.baselines.hf_caption import HFCaptionPeer
-from vlfuse.captioning import CaptionConfig, CaptionModel, greedy
+from vlfuse.captioning import CaptionConfig, CaptionModel, generate, greedy
 from vlfuse.captioning.grammar import fact_precision
 from vlfuse.captioning.model import caption_processor
 from vlfuse.data.shapes import render_scenes, sample_scenes
@@ -53,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-3, help="the learning rate of the weights (default 2e-3)")
     parser.add_argument("--images", type=int, default=64, help="SHAPES scenes captioned in one batch (default 64)")
     parser.add_argument("--scene-seed", type=int, default=1, help="seed of the scenes drawn (default 1)")
+    parser.add_argument("--leave-at", type=float, nargs="+", default=[], metavar="F",
+                        help="also time vlfuse's greedy with ended captions leaving at each share F of the batch")
     add_threads_argument(parser)
     add_timing_arguments(parser, repeats=11, warmup=2)
     args = parser.parse_args(argv)
@@ -96,8 +102,21 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [row.index(peer.eos_id) + 1 if peer.eos_id in row else len(row) for row in rows]
         written["transformers generate"] = [peer.detokenize(row) for row in rows], lengths
 
+    def leaving_at(share: float):
+        def run():
+            default, generate.LEAVE_AT = generate.LEAVE_AT, share
+            try:
+                captions = greedy(vlfuse, vlfuse.encode_images(pixels))
+            finally:
+                generate.LEAVE_AT = default
+            written[f"vlfuse greedy, leave at {share:g}"] = [c.text for c in captions], [len(c.ids) for c in captions]
+        return run
+
     cases = {"vlfuse greedy": run_vlfuse, "transformers generate": run_peer}
+    cases.update({f"vlfuse greedy, leave at {share:g}": leaving_at(share) for share in args.leave_at})
     timings = time_interleaved(cases, args.repeats, args.warmup)
+    if any(written[name][0] != written["vlfuse greedy"][0] for name in cases if name.startswith("vlfuse")):
+        raise SystemExit("error: a --leave-at case wrote other captions than vlfuse's greedy")
     rows = []
     for name in cases:
         texts, lengths = written[name]

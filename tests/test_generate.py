@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from test_caption_model import tiny_caption_model
-from vlfuse.captioning import beam_search, greedy
+from vlfuse.captioning import beam_search, generate, greedy
 
 
 def trained_to_say(caption: str, steps: int = 60):
@@ -104,16 +104,21 @@ def test_beam_search_keeps_each_images_attention_with_its_own_caption(model, con
     torch.testing.assert_close(together[2].attentions[0], alone[0].attentions[0], atol=1e-5, rtol=1e-4)
 
 
-def test_a_finished_caption_leaves_the_batch_and_the_others_are_written_as_alone():
-    short, long = "there is a blue square .", "a red square is left of a blue circle . there is a blue circle ."
-    model = trained_to_tell_apart(short, long)
-    context = model.encode_images(torch.tensor([0.0, 1.0, 0.0, 1.0])[:, None, None, None].expand(4, 3, 30, 30))
+def greedy_counting_rows(model, context, **options):
+    """:func:`greedy`'s captions and the number of rows the decoder ran at each step."""
     rows_run = []
     hook = model.decoder.register_forward_pre_hook(lambda module, args: rows_run.append(args[0].shape[0]))
     try:
-        together = greedy(model, context, attention_layers=[1])
+        return greedy(model, context, **options), rows_run
     finally:
         hook.remove()
+
+
+def test_ended_captions_leave_the_batch_and_every_caption_is_written_as_alone(monkeypatch):
+    short, long = "there is a blue square .", "a red square is left of a blue circle . there is a blue circle ."
+    model = trained_to_tell_apart(short, long)
+    context = model.encode_images(torch.tensor([0.0, 1.0, 0.0, 1.0])[:, None, None, None].expand(4, 3, 30, 30))
+    together, rows_run = greedy_counting_rows(model, context, attention_layers=[1])
     assert [c.text for c in together] == [short, long, short, long]
     short_steps, long_steps = len(short.split()) + 1, len(long.split()) + 1  # the end token included
     assert rows_run == [4] * short_steps + [2] * (long_steps - short_steps)  # the short captions left
@@ -124,3 +129,11 @@ def test_a_finished_caption_leaves_the_batch_and_the_others_are_written_as_alone
         torch.testing.assert_close(caption.attentions[1], alone.attentions[1], atol=1e-5, rtol=1e-4)
     recomputed = greedy(model, context, use_cache=False)
     assert [c.ids for c in recomputed] == [c.ids for c in together]
+
+    monkeypatch.setattr(generate, "LEAVE_AT", 0.75)  # two ended captions of four are too few to leave
+    staying, rows_run = greedy_counting_rows(model, context, attention_layers=[1])
+    assert rows_run == [4] * long_steps
+    assert [c.ids for c in staying] == [c.ids for c in together]
+    assert [c.score for c in staying] == pytest.approx([c.score for c in together], abs=1e-4)
+    for caption, other in zip(staying, together):
+        torch.testing.assert_close(caption.attentions[1], other.attentions[1], atol=1e-5, rtol=1e-4)

@@ -64,6 +64,12 @@ class _Steps:
             self.context = self.context.select(rows)
 
 
+LEAVE_AT = 0.125
+"""Greedy decoding drops the rows of ended captions from its batch once they are this share of its
+rows: each drop copies the self-attention cache, so dropping every row as it ends costs more than
+it saves (``scripts/bench_trained_generation.py --leave-at``, docs/results.md)."""
+
+
 def _limit(model: CaptionModel, max_length: int | None) -> int:
     """Tokens a caption may have after the begin token: ``max_length``, or all the decoder's positions."""
     available = model.config.max_length - 1
@@ -95,8 +101,9 @@ def greedy(
 ) -> list[Caption]:
     """The most probable next word, each step, for every image of ``image_context`` (a batch).
 
-    A caption that has written the end token leaves the batch: later steps run the decoder on the
-    captions still being written only (their cache rows and images with them).
+    Captions that have written the end token leave the batch once they are :data:`LEAVE_AT` of its
+    rows: later steps run the decoder on the captions still being written (their cache rows and
+    images with them); until then an ended caption's row runs on and what it writes is dropped.
 
     Args:
         model: the caption model (call in eval mode).
@@ -110,25 +117,28 @@ def greedy(
     device = image_context.features[0].key.device
     tokens = torch.full((rows, 1 + limit), model.pad_id, dtype=torch.long, device=device)
     tokens[:, 0] = model.bos_id
-    writing = torch.arange(rows, device=device)  # (R,) the caption of each row still being written
+    caption = torch.arange(rows, device=device)  # (R,) the caption each decoder row writes
+    writing = torch.ones(rows, dtype=torch.bool, device=device)  # (R,) rows whose caption has not ended
     steps = _Steps(model, image_context, None, use_cache, attention_layers)
     scores = torch.zeros(rows, device=device)
     history: dict[int, torch.Tensor] = {}
     for step in range(1, limit + 1):
-        log_probs, weights = steps.scores(tokens[writing, :step])
+        log_probs, weights = steps.scores(tokens[caption, :step])
         best, word = log_probs.max(-1)  # (R,)
-        scores[writing] += best
-        tokens[writing, step] = word
+        mine = caption[writing]  # the captions still being written
+        scores[mine] += best[writing]
+        tokens[mine, step] = word[writing]
         for layer, w in weights.items():  # w: (R, H, Li)
             if layer not in history:
                 history[layer] = w.new_zeros(rows, limit, *w.shape[1:])  # (B, T, H, Li)
-            history[layer][writing, step - 1] = w
-        going = word != model.eos_id
-        if not bool(going.any()):
+            history[layer][mine, step - 1] = w[writing]
+        writing &= word != model.eos_id
+        still = int(writing.sum())
+        if still == 0:
             break
-        if not bool(going.all()):
-            kept = going.nonzero().squeeze(1)
-            writing = writing[kept]
+        if len(writing) - still >= LEAVE_AT * len(writing):  # enough ended captions to be worth a copy of the cache
+            kept = writing.nonzero().squeeze(1)
+            caption, writing = caption[kept], writing[kept]
             steps.select(kept)
     attentions = {layer: w[:, :step] for layer, w in history.items()}
     return _captions(model, tokens[:, : 1 + step], scores, attentions)
