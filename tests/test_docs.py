@@ -81,6 +81,7 @@ SHRINK = [
     (r"scripts/bench_generate\.py", ["--images", "2", "--length", "4", "--repeats", "1", "--warmup", "0"], "end"),
     (r"scripts/compare_caption_peers\.py", ["--quick"], "end"),
     (r"scripts/bench_peers_speed\.py", ["--quick"], "end"),
+    (r"scripts/bench_trained_generation\.py", ["--images", "2", "--repeats", "1", "--warmup", "0"], "end"),
     (r"vlfuse caption\b", ["--max-length", "4"], "end"),
     (r"scripts/caption_errors\.py", ["--scenes", "4", "--examples", "1"], "end"),
     (r"scripts/shapes_renderer_match\.py", ["--steps", "20"], "end"),
