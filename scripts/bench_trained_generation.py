@@ -7,9 +7,9 @@
 
 ``scripts/bench_peers_speed.py`` times untrained models forced to write the same number of tokens;
 here both models are trained (the best-epoch weights that ``compare_caption_peers.py
---save-weights`` keeps) and stop as a user's captioning does: vlfuse's greedy drops each caption
-from the batch when it writes its end token, ``generate`` runs every row until the last caption
-ends. Each repetition captions the same ``--images`` SHAPES scenes (drawn with ``--scene-seed``,
+--save-weights`` keeps) and stop as a user's captioning does: vlfuse's greedy drops the rows of
+ended captions from the batch (once they are :data:`vlfuse.captioning.generate.LEAVE_AT` of it),
+``generate`` runs every row until the last caption ends. Each repetition captions the same ``--images`` SHAPES scenes (drawn with ``--scene-seed``,
 not the training scenes' seed) in one batch with each model, in a rotating order
 (:func:`vlfuse.analysis.timing.time_interleaved`), from pixels to caption texts. A ratio is
 ``generate``'s time / vlfuse's time in the same repetition (above 1: vlfuse is faster), reported

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from safetensors.torch import save as safetensors_bytes
 from _common import REPO, add_threads_argument, load_datamodule, set_threads
 from lightning.pytorch.callbacks import Callback
+from safetensors.torch import save as safetensors_bytes
 
 from vlfuse.analysis.data import read_config
 from vlfuse.analysis.tables import markdown_table
