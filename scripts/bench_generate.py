@@ -55,12 +55,23 @@ def caption_model(model_dir: Path | None, config: Path) -> CaptionModel:
             return CaptionModel.from_pretrained(model_dir)
         except (FileNotFoundError, ValueError) as err:
             raise SystemExit(f"error: --model {model_dir}: {err}") from None
-    try:
-        architecture = CaptionConfig.from_dict(read_config(config)["model"]["init_args"]["caption_model"])
-    except (FileNotFoundError, KeyError, TypeError, ValueError) as err:
-        raise SystemExit(f"error: --config {config}: no usable model.init_args.caption_model ({err!r})") from None
+    architecture = caption_architecture(config)
     torch.manual_seed(0)
     return CaptionModel.from_config(architecture, [GRAMMAR_WORDS]).eval()
+
+
+def caption_architecture(config: Path) -> CaptionConfig:
+    """``config``'s ``model.init_args.caption_model``; a one-line ``SystemExit`` naming ``--config`` where it has none."""
+    try:
+        return CaptionConfig.from_dict(read_config(config)["model"]["init_args"]["caption_model"])
+    except (FileNotFoundError, KeyError, TypeError, ValueError) as err:
+        raise SystemExit(f"error: --config {config}: no usable model.init_args.caption_model ({err!r})") from None
+
+
+def scene_pixels(scenes: list, rng: np.random.Generator, size: int) -> torch.Tensor:
+    """SHAPES ``scenes`` drawn with ``rng``, as a caption model of image size ``size`` reads them: ``(N, 3, size, size)`` in [0, 1]."""
+    images = render_scenes(scenes, rng)  # (N, 30, 30, 3) uint8
+    return torch.nn.functional.interpolate(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255, size=(size, size))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(args.threads)
     model = caption_model(args.model, args.config)
     rng = np.random.default_rng(0)
-    images = render_scenes(sample_scenes(args.images, rng), rng)  # (N, 30, 30, 3) uint8
-    size = model.config.image.image_size
-    pixels = torch.nn.functional.interpolate(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255, size=(size, size))
+    pixels = scene_pixels(sample_scenes(args.images, rng), rng, model.config.image.image_size)
     captions = {}
 
     def decode(use_cache: bool):

@@ -56,17 +56,16 @@ import timm.layers
 import torch
 import torch.nn.functional as F
 from _common import REPO, add_threads_argument, add_timing_arguments, set_threads
-from bench_generate import GRAMMAR_WORDS
+from bench_generate import GRAMMAR_WORDS, caption_architecture, scene_pixels
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertAttention
 
-from vlfuse.analysis.data import read_config
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.analysis.timing import Timings, time_interleaved
 from vlfuse.baselines.hf_caption import HFCaptionPeer
-from vlfuse.captioning import CaptionConfig, CaptionModel, describe, greedy
+from vlfuse.captioning import CaptionModel, describe, greedy
 from vlfuse.data import IGNORE_INDEX
-from vlfuse.data.shapes import render_scenes, sample_scenes
+from vlfuse.data.shapes import sample_scenes
 from vlfuse.layers import CrossAttention
 from vlfuse.layers.attention import ProjectedContext
 
@@ -114,10 +113,7 @@ class CaptionPair(NamedTuple):
 
 def caption_pair(args: argparse.Namespace) -> CaptionPair:
     """The config's caption model and its transformers peer, with ``max(--images, --train-batch)`` scenes."""
-    try:
-        architecture = CaptionConfig.from_dict(read_config(args.config)["model"]["init_args"]["caption_model"])
-    except (FileNotFoundError, KeyError, TypeError, ValueError) as err:
-        raise SystemExit(f"error: --config {args.config}: no usable model.init_args.caption_model ({err!r})") from None
+    architecture = caption_architecture(args.config)
     if not 1 <= args.length <= architecture.max_length - 1:
         raise SystemExit(f"error: --length must be in [1, {architecture.max_length - 1}] (the decoder's positions), got {args.length}")
     torch.manual_seed(0)
@@ -126,9 +122,7 @@ def caption_pair(args: argparse.Namespace) -> CaptionPair:
     peer = HFCaptionPeer.from_caption_config(architecture, [GRAMMAR_WORDS])
     rng = np.random.default_rng(0)
     scenes = sample_scenes(max(args.images, args.train_batch), rng)
-    images = render_scenes(scenes, rng)  # (N, 30, 30, 3) uint8
-    size = architecture.image.image_size
-    pixels = torch.nn.functional.interpolate(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255, size=(size, size))
+    pixels = scene_pixels(scenes, rng, architecture.image.image_size)
     return CaptionPair(vlfuse, peer, [describe(scene) for scene in scenes], pixels)
 
 

@@ -9,8 +9,9 @@
 here both models are trained (the best-epoch weights that ``compare_caption_peers.py
 --save-weights`` keeps) and stop as a user's captioning does: vlfuse's greedy drops the rows of
 ended captions from the batch (once they are :data:`vlfuse.captioning.generate.LEAVE_AT` of it),
-``generate`` runs every row until the last caption ends. Each repetition captions the same ``--images`` SHAPES scenes (drawn with ``--scene-seed``,
-not the training scenes' seed) in one batch with each model, in a rotating order
+``generate`` runs every row until the last caption ends. Each repetition captions the same
+``--images`` SHAPES scenes (drawn with ``--scene-seed``, not the training scenes' seed) in one
+batch with each model, in a rotating order
 (:func:`vlfuse.analysis.timing.time_interleaved`), from pixels to caption texts. A ratio is
 ``generate``'s time / vlfuse's time in the same repetition (above 1: vlfuse is faster), reported
 as the median and the worst (lowest). Beside the times: each model's mean tokens per caption (the
@@ -31,18 +32,18 @@ from pathlib import Path
 import numpy as np
 import torch
 from _common import REPO, add_threads_argument, add_timing_arguments, set_threads
+from bench_generate import caption_architecture, scene_pixels
 from compare_caption_peers import weights_name
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from vlfuse.analysis.data import read_config
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.analysis.timing import time_interleaved
 from vlfuse.baselines.hf_caption import HFCaptionPeer
 from vlfuse.captioning import CaptionConfig, CaptionModel, generate, greedy
 from vlfuse.captioning.grammar import fact_precision
 from vlfuse.captioning.model import caption_processor
-from vlfuse.data.shapes import render_scenes, sample_scenes
+from vlfuse.data.shapes import sample_scenes
 from vlfuse.encoders import word_tokenizer_from_json
 
 DEFAULT_CONFIG = REPO / "configs" / "shapes_captions.yaml"
@@ -83,18 +84,22 @@ def load_trained(name: str, architecture: CaptionConfig, args: argparse.Namespac
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
-    architecture = CaptionConfig.from_dict(read_config(args.config)["model"]["init_args"]["caption_model"])
+    architecture = caption_architecture(args.config)
     vlfuse, peer = (load_trained(name, architecture, args) for name in ("vlfuse", "hf"))
     rng = np.random.default_rng(args.scene_seed)
     scenes = sample_scenes(args.images, rng)
-    pixels = torch.from_numpy(render_scenes(scenes, rng)).permute(0, 3, 1, 2).float() / 255  # (N, 3, S, S)
-    size = vlfuse.config.image.image_size
-    pixels = torch.nn.functional.interpolate(pixels, size=(size, size))
+    pixels = scene_pixels(scenes, rng, architecture.image.image_size)
     written: dict[str, tuple[list[str], list[int]]] = {}
 
-    def run_vlfuse():
-        captions = greedy(vlfuse, vlfuse.encode_images(pixels))
-        written["vlfuse greedy"] = [c.text for c in captions], [len(c.ids) for c in captions]
+    def vlfuse_greedy(name: str, share: float):
+        def run():
+            default, generate.LEAVE_AT = generate.LEAVE_AT, share
+            try:
+                captions = greedy(vlfuse, vlfuse.encode_images(pixels))
+            finally:
+                generate.LEAVE_AT = default
+            written[name] = [c.text for c in captions], [len(c.ids) for c in captions]
+        return run
 
     def run_peer():
         ids = peer.generate_ids(pixels)  # (B, 1 + T), rows that ended early padded
@@ -102,18 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [row.index(peer.eos_id) + 1 if peer.eos_id in row else len(row) for row in rows]
         written["transformers generate"] = [peer.detokenize(row) for row in rows], lengths
 
-    def leaving_at(share: float):
-        def run():
-            default, generate.LEAVE_AT = generate.LEAVE_AT, share
-            try:
-                captions = greedy(vlfuse, vlfuse.encode_images(pixels))
-            finally:
-                generate.LEAVE_AT = default
-            written[f"vlfuse greedy, leave at {share:g}"] = [c.text for c in captions], [len(c.ids) for c in captions]
-        return run
-
-    cases = {"vlfuse greedy": run_vlfuse, "transformers generate": run_peer}
-    cases.update({f"vlfuse greedy, leave at {share:g}": leaving_at(share) for share in args.leave_at})
+    cases = {"vlfuse greedy": vlfuse_greedy("vlfuse greedy", generate.LEAVE_AT), "transformers generate": run_peer}
+    cases.update({(name := f"vlfuse greedy, leave at {share:g}"): vlfuse_greedy(name, share) for share in args.leave_at})
     timings = time_interleaved(cases, args.repeats, args.warmup)
     if any(written[name][0] != written["vlfuse greedy"][0] for name in cases if name.startswith("vlfuse")):
         raise SystemExit("error: a --leave-at case wrote other captions than vlfuse's greedy")

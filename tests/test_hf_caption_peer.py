@@ -103,7 +103,7 @@ def test_compare_caption_peers_quick_trains_and_scores_both_and_the_trained_benc
     assert trained_bench.main([*weights, "--threads", "1", "--images", "2", "--repeats", "1", "--warmup", "0", "--leave-at", "2"]) == 0
     table = capsys.readouterr().out
     assert all(f"| {case} |" in table for case in ("vlfuse greedy", "transformers generate", "vlfuse greedy, leave at 2"))
-    config = CaptionConfig.from_dict(read_config(REPO / "configs" / "shapes_captions.yaml")["model"]["init_args"]["caption_model"])
+    config = trained_bench.caption_architecture(trained_bench.DEFAULT_CONFIG)
     args = trained_bench.parse_args(weights)
     trained_on = build_word_tokenizer(training_captions(compare.load_datamodule(compare.DEFAULT_CONFIG, compare.QUICK_DATA)), 96)
     for name in ("vlfuse", "hf"):  # the tokenizer of the run, saved with its weights
