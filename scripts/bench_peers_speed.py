@@ -55,8 +55,8 @@ import numpy as np
 import timm.layers
 import torch
 import torch.nn.functional as F
-from _common import REPO, add_threads_argument, add_timing_arguments, set_threads
-from bench_generate import GRAMMAR_WORDS, caption_architecture, scene_pixels
+from _common import add_threads_argument, add_timing_arguments, set_threads
+from bench_generate import DEFAULT_CONFIG, GRAMMAR_WORDS, caption_architecture, scene_pixels
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertAttention
 
@@ -69,7 +69,6 @@ from vlfuse.data.shapes import sample_scenes
 from vlfuse.layers import CrossAttention
 from vlfuse.layers.attention import ProjectedContext
 
-DEFAULT_CONFIG = REPO / "configs" / "shapes_captions.yaml"
 LAYER_SIZE = (32, 32, 197, 768, 16)
 QUICK = {"images": 4, "length": 4, "train_batch": 4, "layer_size": [2, 4, 9, 32, 4], "repeats": 2, "warmup": 1}
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import REPO, add_threads_argument, add_timing_arguments, set_threads
-from bench_generate import caption_architecture, scene_pixels
+from _common import add_threads_argument, add_timing_arguments, set_threads
+from bench_generate import DEFAULT_CONFIG, caption_architecture, scene_pixels
 from compare_caption_peers import weights_name
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -46,7 +46,6 @@ from vlfuse.captioning.model import caption_processor
 from vlfuse.data.shapes import sample_scenes
 from vlfuse.encoders import word_tokenizer_from_json
 
-DEFAULT_CONFIG = REPO / "configs" / "shapes_captions.yaml"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

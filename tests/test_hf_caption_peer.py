@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlfuse.analysis.data import read_config
 from vlfuse.baselines.hf_caption import HFCaptionPeer
 from vlfuse.captioning import CaptionConfig, CaptionModel, SceneCaptionScores, describe
 from vlfuse.data import IGNORE_INDEX
@@ -15,7 +14,7 @@ from vlfuse.data.shapes import render_scenes, sample_scenes
 from vlfuse.captioning.lit import training_captions
 from vlfuse.encoders import ImageEncoderConfig, build_word_tokenizer
 
-from conftest import REPO, load_script
+from conftest import load_script
 
 compare = load_script("compare_caption_peers")
 bench = load_script("bench_peers_speed")
@@ -77,7 +76,7 @@ def test_greedy_generate_writes_the_forced_length_and_vlfuses_scorer_reads_it(on
 
 
 def test_the_peer_is_the_size_of_the_shapes_caption_model():
-    config = CaptionConfig.from_dict(read_config(REPO / "configs" / "shapes_captions.yaml")["model"]["init_args"]["caption_model"])
+    config = bench.caption_architecture(bench.DEFAULT_CONFIG)
     words = [bench.GRAMMAR_WORDS]
     ours = sum(p.numel() for p in CaptionModel.from_config(config, words).parameters())
     peer = HFCaptionPeer.from_caption_config(config, words)
