@@ -37,6 +37,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from _common import REPO, add_threads_argument, load_datamodule, set_threads
+from bench_generate import DEFAULT_CONFIG, caption_architecture
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import save as safetensors_bytes
 
@@ -44,11 +45,9 @@ from vlfuse.analysis.data import read_config
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.atomic import replace_file
 from vlfuse.baselines.hf_caption import HFCaptionPeer
-from vlfuse.captioning import CaptionConfig
 from vlfuse.captioning.lit import CaptionLitModule, training_captions
 from vlfuse.lit import agree_image_transform
 
-DEFAULT_CONFIG = REPO / "configs" / "shapes_captions.yaml"
 MODELS = ("vlfuse", "hf")
 SCORES = ("fact_precision", "object_recall", "bleu4", "cider")
 QUICK_DATA = ["--data.num_train_scenes=32", "--data.num_val_scenes=8", "--data.num_test_scenes=8", "--data.batch_size=8"]
@@ -123,11 +122,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def train_one(name: str, config: dict, args: argparse.Namespace, seed: int, lr: float, epochs: int) -> dict:
     """Train model ``name`` at ``lr`` with ``seed``; its times, sizes and best-epoch scores."""
     datamodule = load_datamodule(args.config, QUICK_DATA if args.quick else [])
-    init = dict(config["model"].get("init_args", {}))
-    architecture = CaptionConfig.from_dict(init.pop("caption_model"))
+    init = {key: value for key, value in config["model"].get("init_args", {}).items() if key != "caption_model"}
     init["lr"] = lr
     L.seed_everything(seed, verbose=False)
-    module = (CaptionLitModule if name == "vlfuse" else HFCaptionLitModule)(caption_model=architecture, **init)
+    module = (CaptionLitModule if name == "vlfuse" else HFCaptionLitModule)(caption_model=caption_architecture(args.config), **init)
     checkpoint = config.get("checkpoint", {})
     clock = Clock(checkpoint.get("monitor", "val/cider"), checkpoint.get("mode", "max"))
     trainer = L.Trainer(
@@ -178,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    caption_architecture(args.config)  # a config without a caption model stops here, in one line, before any training
     config = read_config(args.config)
     epochs = 1 if args.quick else args.epochs or config.get("trainer", {}).get("max_epochs", 1)
     lrs = args.lrs or [config["model"].get("init_args", {}).get("lr", 1e-3)]

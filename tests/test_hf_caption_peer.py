@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from vlfuse.baselines.hf_caption import HFCaptionPeer
 from vlfuse.captioning import CaptionConfig, CaptionModel, SceneCaptionScores, describe
 from vlfuse.data import IGNORE_INDEX
-from vlfuse.data.shapes import render_scenes, sample_scenes
+from vlfuse.data.shapes import sample_scenes
 from vlfuse.captioning.lit import training_captions
 from vlfuse.encoders import ImageEncoderConfig, build_word_tokenizer
 
@@ -30,8 +30,7 @@ def scenes_and_pixels(count: int):
     """``count`` SHAPES scenes, their grammar captions and their images (count, 3, 30, 30) in [0, 1]."""
     rng = np.random.default_rng(0)
     scenes = sample_scenes(count, rng)
-    images = render_scenes(scenes, rng)  # (N, 30, 30, 3) uint8
-    return scenes, [describe(s) for s in scenes], torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
+    return scenes, [describe(s) for s in scenes], bench.scene_pixels(scenes, rng, 30)
 
 
 def teacher_forced_loss(model: HFCaptionPeer, pixels: torch.Tensor, captions: list[str]) -> torch.Tensor:
@@ -109,6 +108,13 @@ def test_compare_caption_peers_quick_trains_and_scores_both_and_the_trained_benc
         assert trained_bench.load_trained(name, config, args).tokenizer.get_vocab() == trained_on.get_vocab()
     with pytest.raises(SystemExit, match="vlfuse_seed0_lr0.002.safetensors not found"):
         trained_bench.load_trained("vlfuse", config, trained_bench.parse_args(["--weights", str(tmp_path / "weights")]))
+
+
+def test_compare_caption_peers_names_a_config_without_a_caption_model_before_training(tmp_path):
+    vqa_config = compare.REPO / "configs" / "easy_vqa.yaml"
+    with pytest.raises(SystemExit, match=r"--config .*easy_vqa.yaml: no usable model.init_args.caption_model"):
+        compare.main(["--quick", "--config", str(vqa_config), "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
 
 
 def test_bench_peers_speed_quick_times_every_case_against_vlfuse(tmp_path, capsys):
