@@ -113,7 +113,7 @@ def test_a_damaged_shard_or_index_is_refused_in_one_line_naming_the_file(tmp_pat
         index_file.write_text(json.dumps(damaged))
         one_line_error(store, f"{index_file} is not a valid feature store index: {message}")
     index_file.write_text(json.dumps(index)[:-10])
-    one_line_error(store, f"{index_file} is not valid JSON")
+    one_line_error(store, f"{index_file}: not valid JSON")
     index_file.write_text(json.dumps(index))
     (store / "shard-00002.safetensors").unlink()
     one_line_error(store, "shard-00002.safetensors: the shard the index lists is missing")

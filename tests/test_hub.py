@@ -164,5 +164,10 @@ def test_a_snapshot_may_link_into_its_repositorys_blobs_but_a_folder_not_out_of_
     outside = tmp_path / "answers.json"
     shutil.move(copy / "answers.json", outside)
     (copy / "answers.json").symlink_to(outside)
-    with pytest.raises(ValueError, match="lists answers.json, which is not a file in"):
+    with pytest.raises(ValueError, match=f"answers.json is a link to {outside}, outside {copy}"):
+        VLFuseModel.from_pretrained(copy)
+    config = json.loads((copy / "config.json").read_text())
+    del config["files"]  # a folder of before the digests: its links are checked all the same
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"answers.json is a link to {outside}, outside {copy}"):
         VLFuseModel.from_pretrained(copy)

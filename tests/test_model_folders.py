@@ -236,9 +236,26 @@ def test_a_fifo_in_place_of_a_file_is_refused_without_opening_it(folder, name):
         (lambda meta: meta["text_encoder_config"].update(num_hidden_layers=10**9), r"num_hidden_layers must be between 0 and 1024"),
         (lambda meta: meta.update(text_encoder_config=[]), r"text_encoder_config must be a transformers config"),
         (lambda meta: meta["config"].pop("image") and meta["config"].update(image=7), r"config.json: .*"),
+        (lambda meta: meta["config"]["image"].update(std=["a", "b", "c"]), r"image.std\[0\] must be float, got 'a'"),
+        (lambda meta: meta["config"]["fuser"].update(mlp_ratio=-2.0), r"fuser.mlp_ratio must be above 0 and at most 64, got -2.0"),
+        (lambda meta: meta["config"].update(pruned_heads={"0": "abc"}), r"pruned_heads\['0'\] must be list, got 'abc'"),
+        (lambda meta: meta["config"].update(pruned_heads={"\u00b2": [1]}), r"pruned_heads maps layer numbers to head ids"),
+        (lambda meta: meta.update(format_version=True), r"config.json is not a vlfuse model of format .*format True"),
+        (lambda meta: meta["config"]["text"].update(max_length=64), r"text.max_length 64 is more than the 16 positions of the text encoder"),
+        (lambda meta: meta["text_encoder_config"].update(_attn_implementation="kernels-community/flash-attn"),
+         r"text_encoder_config._attn_implementation: a private setting of transformers"),
+        (lambda meta: meta["text_encoder_config"].update(attn_implementation="kernels-community/flash-attn"),
+         r"text_encoder_config.attn_implementation must be one of \[None, 'eager', 'sdpa'\]"),
+        (lambda meta: meta["text_encoder_config"].update(dtype="float64"), r"text_encoder_config.dtype must be one of \[None, 'float32'\]"),
+        (lambda meta: meta["text_encoder_config"].update(hidden_act="os.system"), r"text_encoder_config.hidden_act must name one of transformers' activations"),
+        (lambda meta: meta["text_encoder_config"].update(layer_norm_eps="x"), r"text_encoder_config.layer_norm_eps must be null or int or float, got 'x'"),
+        (lambda meta: meta["text_encoder_config"].update(pad_token_id=10**6), r"text_encoder_config.pad_token_id must be a token id below vocab_size"),
+        (lambda meta: meta["text_encoder_config"].update(extra=list(range(2000))), r"text_encoder_config.extra is not a setting of this encoder type and is larger"),
     ],
     ids=["no model", "mean of 2", "patch 0", "size not int", "not a ViT", "depth 1e5", "width < 0", "layers 1e9",
-         "text config a list", "image not a mapping"],
+         "text config a list", "image not a mapping", "std of strings", "mlp ratio < 0", "pruned heads a string",
+         "pruned layer not ascii", "format true", "text longer than its positions", "private attention", "hub kernel",
+         "float64 encoder", "activation by any name", "eps a string", "pad id past the vocabulary", "large unknown key"],
 )
 def test_a_bad_config_is_one_line_naming_it(folder, change, pattern):
     edit_config(folder, change)
@@ -265,6 +282,58 @@ def test_sizes_in_a_config_are_checked_against_the_weights_before_anything_is_al
     monkeypatch.setattr(VLFuseModel, "__init__", spy)
     refused(folder, r"word_embeddings.weight is \(\d+, 32\) in the file, \(4000000, 32\) in the model")
     assert built_on == ["meta"]
+
+
+def test_a_saved_text_configs_task_head_keys_are_left_out_and_settings_of_pretrained_encoders_pass(folder, saved):
+    """10**8 labels would allocate a table of 10**8 names in transformers; a head's labels say nothing
+    of the encoder, so they are not passed on. Settings that pretrained BERT-like configs carry and
+    the model type does not define load, as they did."""
+    def change(meta):
+        meta["text_encoder_config"].update(num_labels=10**8, id2label={str(i): f"L{i}" for i in range(1000)},
+                                           gradient_checkpointing=False, position_embedding_type="absolute")
+    edit_config(folder, change)
+    model = VLFuseModel.from_pretrained(folder)
+    assert model.text_encoder.model.config.num_labels == 2
+    assert torch.equal(logits(model, saved[1]), logits(VLFuseModel.from_pretrained(saved[0]), saved[1]))
+
+
+def test_buffers_a_model_computes_are_bounded_by_its_weights_before_anything_is_allocated(tmp_path):
+    """A table that a model computes from its config (not in its weights file) may not make a small
+    folder allocate gigabytes: its size is known on the meta device, and the real build never runs."""
+    from safetensors.torch import save_file
+
+    class Derived(torch.nn.Module):
+        def __init__(self, cells: int) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4))
+            self.register_buffer("offsets", torch.zeros(cells, cells, dtype=torch.int64), persistent=False)
+
+    save_file({"weight": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+    built_on = []
+
+    def build(cells: int):
+        built_on.append(torch.empty(0).device.type)
+        return Derived(cells)
+
+    header = model_io.read_header(tmp_path)
+    with pytest.raises(ValueError, match=r"the model would hold 2,048 MiB of tensors that are not in model.safetensors"):
+        model_io.build_checked(lambda: build(16_384), header, tmp_path, "config.json")  # 16384**2 int64: 2 GiB
+    assert built_on == ["meta"]
+    assert model_io.build_checked(lambda: build(64), header, tmp_path, "config.json").offsets.shape == (64, 64)
+
+
+def test_weights_of_another_kind_than_the_models_are_refused(folder):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    state["image_proj.weight"] = state["image_proj.weight"].to(torch.int64)
+    save_file(state, str(folder / "model.safetensors"))
+    record_digests(folder)
+    refused(folder, r"model.safetensors: image_proj.weight is stored as torch.int64, where .* needs torch.float32")
+    state["image_proj.weight"] = state["image_proj.weight"].to(torch.float16)  # another float: cast, as torch loads it
+    save_file(state, str(folder / "model.safetensors"))
+    record_digests(folder)
+    assert VLFuseModel.from_pretrained(folder).image_proj.weight.dtype == torch.float32
 
 
 def test_tokenizer_ids_beyond_the_text_encoders_vocabulary_are_refused(folder):

@@ -232,7 +232,7 @@ def test_bad_config_values_and_other_folders_are_named(fp32_dir, model_dir, tmp_
     config = folder / model_io.CONFIG_FILE
     meta = json.loads(config.read_text())
     config.write_text(json.dumps({**meta, "image_size": "32"}))
-    with pytest.raises(ValueError, match=f"{config}: image_size must be a positive integer, got '32'"):
+    with pytest.raises(ValueError, match=f"{config}: image_size must be an integer from 1 to 8192, got '32'"):
         OnnxAnswerModel.from_pretrained(folder)
     with pytest.raises(FileNotFoundError, match=f"{model_dir} is not an ONNX export of a vlfuse model: missing model.onnx"):
         OnnxAnswerModel.from_pretrained(model_dir)

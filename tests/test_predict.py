@@ -1,6 +1,7 @@
 """Predictor and ``vlfuse predict``: answers equal the model's own, images encoded once, bad input reported."""
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -312,11 +313,7 @@ def test_unknown_words_are_named_in_a_warning(predictor, images):
 def test_broken_model_directories_raise_clear_errors(model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="not a saved vlfuse model: missing model.safetensors"):
         Predictor.from_pretrained(tmp_path)
-    other = tmp_path / "other"
-    other.mkdir()
-    for item in model_dir.iterdir():
-        (other / item.name).symlink_to(item)
-    (other / "config.json").unlink()
+    other = shutil.copytree(model_dir, tmp_path / "other")
     meta = json.loads((model_dir / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**meta, "format_version": 99}))
     with pytest.raises(ValueError, match="written by another vlfuse version"):

@@ -72,7 +72,8 @@ class VLFuseConfig:
     def __post_init__(self) -> None:
         check_type("fusion_dim", self.fusion_dim, int)
         check_range("fusion_dim", self.fusion_dim, 1, MAX_WIDTH)
-        bad = [layer for layer in self.pruned_heads if not str(layer).isdigit()]
+        check_type("pruned_heads", self.pruned_heads, dict[str, list[int]])
+        bad = [layer for layer in self.pruned_heads if not (str(layer).isascii() and str(layer).isdecimal())]
         if bad:
             raise ValueError(f"pruned_heads maps layer numbers to head ids, got the keys {bad}")
         self.fuser: FuserConfig = FUSERS.parse(self.fuser, "fuser")
@@ -488,8 +489,9 @@ class VLFuseModel(nn.Module, hub.HubMixin, **model_card.hub_metadata(model_io.MO
         meta = model_io.read_meta(directory, model_io.MODEL_TYPE, model_io.READABLE_FORMATS)
         model_io.verify_files(directory, meta)
         config_file = directory / model_io.CONFIG_FILE
+        header = model_io.read_header(directory)  # its errors name the weights file
         architecture, shapes = model_io.parse_config(
-            config_file, lambda: model_io.upgrade_answering_model(meta["format_version"], meta["config"], model_io.read_header(directory))
+            config_file, lambda: model_io.upgrade_answering_model(meta["format_version"], meta["config"], header)
         )
         config = model_io.parse_config(config_file, lambda: VLFuseConfig.from_dict(model_io.with_recorded_interpolation(architecture)))
         text_hf_config = model_io.parse_config(config_file, lambda: saved_text_config(meta["text_encoder_config"]))

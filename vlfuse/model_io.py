@@ -50,6 +50,7 @@ from torch import nn
 
 from vlfuse import atomic
 from vlfuse.errors import first_line
+from vlfuse.json_input import JSONInputError, parse_json
 
 FORMAT_VERSION = 3
 READABLE_FORMATS = (1, 2, 3)
@@ -260,16 +261,19 @@ def require_files(directory: Path, names: Sequence[str], what: str) -> None:
     missing = [n for n in names if not (directory / n).exists()]
     if missing:
         raise FileNotFoundError(f"{directory} is not {what}: missing {', '.join(missing)}")
+    root = containing_folder(directory).resolve()
     for name in names:
         path = directory / name
         if name == TOKENIZER_DIR:
             if not path.is_dir():
                 raise ValueError(f"{path} is not a folder")
-            for inner in path.rglob("*"):
-                if not inner.is_dir():
-                    require_regular(inner)
+            inside = [inner for inner in path.rglob("*") if not inner.is_dir()]
         else:
-            require_regular(path)
+            inside = [path]
+        for file in inside:
+            if not file.resolve().is_relative_to(root):
+                raise ValueError(f"{file} is a link to {file.resolve()}, outside {directory}: a model folder's files must lie in it")
+            require_regular(file)
 
 
 def require_regular(path: Path) -> None:
@@ -279,27 +283,24 @@ def require_regular(path: Path) -> None:
 
 
 def read_json(path: Path) -> Any:
-    """The JSON in ``path``; a ``ValueError`` naming the file when it is too large or not JSON."""
+    """The JSON in ``path``; a one-line ``ValueError`` naming the file when it is too large or not
+    strict JSON (:func:`vlfuse.json_input.parse_json`)."""
     require_regular(path)
     size = path.stat().st_size
     if size > MAX_JSON_BYTES:
         raise ValueError(f"{path} is {size / 2**20:.0f} MiB, more than the {MAX_JSON_BYTES >> 20} MiB a model folder's JSON may be")
     try:
-        return json.loads(path.read_bytes().decode("utf-8"), parse_constant=refuse_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"{path} is not valid JSON: {first_line(err)}") from None
-
-
-def refuse_constant(name: str) -> None:
-    """``json.loads``'s hook for ``NaN`` and ``Infinity``, which are not JSON."""
-    raise ValueError(f"{name} is not a JSON value")
+        return parse_json(path.read_bytes())
+    except JSONInputError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 def read_meta(directory: Path, model_type: str, formats: Sequence[int]) -> dict:
     """``config.json`` of ``directory``, checked to describe a ``model_type`` model of one of ``formats``."""
     meta = read_json(directory / CONFIG_FILE)
     version = meta.get("format_version") if isinstance(meta, dict) else None
-    if not isinstance(meta, dict) or meta.get("model_type") != model_type or version not in formats:
+    known = version in formats and not isinstance(version, bool)  # true == 1 in Python, not in the format
+    if not isinstance(meta, dict) or meta.get("model_type") != model_type or not known:
         found = (meta.get("model_type"), version) if isinstance(meta, dict) else (None, None)
         raise ValueError(
             f"{directory / CONFIG_FILE} is not a {model_type} model of format {' or '.join(map(str, formats))} "
@@ -402,21 +403,46 @@ Module = TypeVar("Module", bound=nn.Module)
 
 
 def build_checked(build: Callable[[], Module], header: Mapping[str, tuple[int, ...]], directory: Path, described_by: str) -> Module:
-    """``build()``, once its weights' shapes on the meta device (nothing allocated) match ``header``."""
+    """``build()``, once its weights' shapes on the meta device (nothing allocated) match ``header``
+    and what it holds besides its weights is no larger than :func:`derived_bytes_allowed`."""
     try:
         with torch.device("meta"):
             skeleton = build()
     except (ValueError, TypeError) as err:  # e.g. a timm name that is no vision transformer
         raise ValueError(f"{described_by}: {first_line(err)}") from None
-    check_shapes({key: tuple(value.shape) for key, value in skeleton.state_dict().items()}, header, directory, described_by)
+    weights = skeleton.state_dict()
+    check_shapes({key: tuple(value.shape) for key, value in weights.items()}, header, directory, described_by)
+    derived = sum(buffer.numel() * buffer.element_size() for name, buffer in skeleton.named_buffers() if name not in weights)
+    allowed = derived_bytes_allowed(directory)
+    if derived > allowed:
+        raise ValueError(
+            f"{described_by}: the model would hold {derived / 2**20:,.0f} MiB of tensors that are not in {WEIGHTS_FILE} "
+            f"(computed buffers, e.g. position tables of the grid), more than the {allowed / 2**20:,.0f} MiB allowed beside its weights"
+        )
     return build()
+
+
+MIN_DERIVED_BYTES = 256 << 20
+"""The computed buffers (tensors a model builds itself, outside its weights file) any model folder may ask for."""
+
+
+def derived_bytes_allowed(directory: Path) -> int:
+    """How many bytes of computed buffers a folder may make its model allocate: as many as its weights
+    file holds, and at least :data:`MIN_DERIVED_BYTES`, so that a small folder cannot ask for gigabytes."""
+    return max(MIN_DERIVED_BYTES, (directory / WEIGHTS_FILE).stat().st_size)
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], directory: Path, described_by: str) -> None:
     """Load ``state`` (read from ``directory``'s weights file) into ``model``, built from ``described_by``
-    (the files that describe it); a key of another shape, missing or extra is a one-line ``ValueError``."""
-    check_shapes({key: tuple(value.shape) for key, value in model.state_dict().items()},
+    (the files that describe it); a key of another shape or kind (an integer tensor for floating-point
+    weights), missing or extra is a one-line ``ValueError``."""
+    expected = model.state_dict()
+    check_shapes({key: tuple(value.shape) for key, value in expected.items()},
                  {key: tuple(value.shape) for key, value in state.items()}, directory, described_by)
+    for key, tensor in state.items():
+        want = expected[key].dtype
+        if tensor.dtype != want and not (tensor.is_floating_point() and want.is_floating_point):
+            raise ValueError(f"{directory / WEIGHTS_FILE}: {key} is stored as {tensor.dtype}, where {described_by} needs {want}")
     model.load_state_dict(state)
 
 
@@ -428,7 +454,8 @@ def parse_config(path: Path, parse: Callable[[], Any]) -> Any:
     except KeyError as err:
         raise ValueError(f"{path}: missing {err.args[0]!r}") from None
     except (ValueError, TypeError, AttributeError) as err:
-        raise ValueError(f"{path}: {first_line(err)}") from None
+        message = first_line(err)
+        raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from None
 
 
 # ------------------------------------------------------------------------------ earlier formats

@@ -97,7 +97,8 @@ class Registry(Generic[Config]):
 
 def check_type(where: str, value: Any, hint: Any) -> None:
     """A ``ValueError`` naming ``where`` when ``value`` is not of the simple type ``hint`` (int, float,
-    bool, str, a Literal, a list or dict of them, or an Optional of one); other hints pass."""
+    bool, str, a Literal, a list or dict of them, items and values checked too, or an Optional of
+    one); other hints pass."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Union or origin is types.UnionType:
         if value is None and type(None) in args:
@@ -121,11 +122,19 @@ def check_type(where: str, value: Any, hint: Any) -> None:
     ok = isinstance(value, expected[base]) and not (base in (int, float) and isinstance(value, bool))
     if not ok:
         raise ValueError(f"{where} must be {getattr(base, '__name__', base)}, got {value!r}")
+    if base is list and len(args) == 1:
+        for index, item in enumerate(value):
+            check_type(f"{where}[{index}]", item, args[0])
+    elif base is dict and len(args) == 2:
+        for key, item in value.items():
+            check_type(f"{where}[{key!r}]", item, args[1])
 
 
-MAX_LAYERS, MAX_HEADS, MAX_WIDTH, MAX_IMAGE_SIDE, MAX_TOKENS = 1024, 1024, 1 << 16, 1 << 13, 1 << 16
+MAX_LAYERS, MAX_HEADS, MAX_WIDTH, MAX_IMAGE_SIDE, MAX_TOKENS, MAX_VOCAB = 1024, 1024, 1 << 16, 1 << 13, 1 << 16, 1 << 24
 """The largest sizes a config may give (far above the largest models: ViT-22B has 48 blocks of width
 6144): a config file or a model folder's ``config.json`` past them is refused before anything is built."""
+MAX_MLP_RATIO = 64.0
+"""The largest ratio of an MLP's hidden width to its input's (transformers use 4)."""
 
 
 def check_fields(config: Any, where: str) -> None:
@@ -134,6 +143,12 @@ def check_fields(config: Any, where: str) -> None:
     hints = typing.get_type_hints(type(config))
     for spec in dataclasses.fields(config):
         check_type(f"{where}.{spec.name}", getattr(config, spec.name), hints[spec.name])
+
+
+def check_mlp_ratio(where: str, value: float) -> None:
+    """A ``ValueError`` naming ``where`` unless ``value`` is above 0 and at most :data:`MAX_MLP_RATIO`."""
+    if not 0 < value <= MAX_MLP_RATIO:
+        raise ValueError(f"{where} must be above 0 and at most {MAX_MLP_RATIO:g}, got {value}")
 
 
 def check_range(where: str, value: int | None, low: int, high: int) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from vlfuse import hub, model_card, model_io
 from vlfuse.encoders import ImageEncoder, ImageEncoderConfig, build_word_tokenizer, load_saved_tokenizer
 from vlfuse.encoders.adapters import merged
-from vlfuse.parts import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, check_fields, check_range
+from vlfuse.parts import MAX_HEADS, MAX_LAYERS, MAX_TOKENS, MAX_WIDTH, check_fields, check_mlp_ratio, check_range
 from vlfuse.heads.caption_decoder import CaptionDecoder, DecoderCache, DecoderOutput
 from vlfuse.model import ImageContext
 from vlfuse.processor import VLFuseProcessor
@@ -58,6 +58,7 @@ class CaptionConfig:
         check_range("dim", self.dim, 1, MAX_WIDTH)
         check_range("depth", self.depth, 1, MAX_LAYERS)
         check_range("heads", self.heads, 1, MAX_HEADS)
+        check_mlp_ratio("mlp_ratio", self.mlp_ratio)
         check_range("max_length", self.max_length, 2, MAX_TOKENS)
 
     @classmethod

@@ -2,7 +2,8 @@
 
 from vlfuse.encoders.cache import FeatureCache, TokenCache
 from vlfuse.encoders.image import ImageEncoder, ImageEncoderConfig
-from vlfuse.encoders.text import TextEncoder, TextEncoderConfig, saved_text_config, scratch_config
+from vlfuse.encoders.saved_text_config import saved_text_config
+from vlfuse.encoders.text import TextEncoder, TextEncoderConfig, scratch_config
 from vlfuse.encoders.tokenizer import build_word_tokenizer, load_saved_tokenizer, load_tokenizer, word_tokenizer_from_json
 
 __all__ = [

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from vlfuse import atomic
 from vlfuse.model_io import sha256
-from vlfuse.errors import first_line
+from vlfuse.json_input import JSONInputError, parse_json
 
 INDEX_FILE = "index.json"
 """The store's index, beside its shards."""
@@ -105,15 +105,11 @@ def read_index(directory: Path) -> dict[str, Any]:
     if size > MAX_INDEX_BYTES:
         raise StoreError(f"{path} is {size >> 20} MiB, more than the {MAX_INDEX_BYTES >> 20} MiB an index may be")
     try:
-        index = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
-        raise StoreError(f"{path} is not valid JSON: {first_line(err)}") from None
+        index = parse_json(path.read_bytes())
+    except JSONInputError as err:
+        raise StoreError(f"{path}: {err}") from None
     check_index(index, path)
     return index
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON value")
 
 
 def _require(condition: bool, path: Path, what: str) -> None:
@@ -227,9 +223,9 @@ def check_shard(path: Path, size: int, dtype: str, shape: Sequence[int]) -> int:
         if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
             raise StoreError(f"{path} is not a safetensors file: its header length {length} does not fit the file")
         try:
-            header = json.loads(file.read(length).decode("utf-8"), parse_constant=_refuse_constant)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
-            raise StoreError(f"{path} is not a safetensors file: its header is not JSON ({first_line(err)})") from None
+            header = parse_json(file.read(length))
+        except JSONInputError as err:
+            raise StoreError(f"{path} is not a safetensors file: its header: {err}") from None
     tensors = {name: entry for name, entry in header.items() if name != "__metadata__"} if isinstance(header, dict) else None
     expected_bytes = DTYPES[dtype].itemsize
     for dim in shape:

@@ -67,28 +67,6 @@ class TextEncoderConfig:
         check_range("text.max_length", self.max_length, 1, MAX_TOKENS)
 
 
-SAVED_CONFIG_SIZES = {
-    "num_hidden_layers": (0, MAX_LAYERS), "num_attention_heads": (1, MAX_HEADS), "hidden_size": (1, MAX_WIDTH),
-    "intermediate_size": (1, 8 * MAX_WIDTH), "max_position_embeddings": (1, MAX_TOKENS), "vocab_size": (1, 1 << 24),
-}
-"""The sizes of a saved transformers config that are checked (an int in this range) before it is used."""
-
-
-def saved_text_config(data: object) -> PretrainedConfig:
-    """The transformers config a model folder saved (``config.json``'s ``text_encoder_config``), its
-    type and sizes checked first: a ``ValueError`` names the bad key."""
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise ValueError("text_encoder_config must be a transformers config with a model_type")
-    for key, (low, high) in SAVED_CONFIG_SIZES.items():
-        if key in data:
-            value = data[key]
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"text_encoder_config.{key} must be an int, got {value!r}")
-            check_range(f"text_encoder_config.{key}", value, low, high)
-    options = dict(data)
-    return AutoConfig.for_model(options.pop("model_type"), **options)
-
-
 def scratch_config(config: TextEncoderConfig, vocab_size: int, pad_token_id: int) -> PretrainedConfig:
     """The transformers config of a from-scratch encoder."""
     try:
@@ -128,6 +106,12 @@ class TextEncoder(AdaptableEncoder):
             self.model = load_named(partial(AutoModel.from_pretrained, trust_remote_code=False), config.name, "the text encoder")
         else:
             raise ValueError("a from-scratch text encoder needs its transformers config")
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(positions, int) and config.max_length > positions:
+            raise ValueError(
+                f"text.max_length {config.max_length} is more than the {positions} positions of the text encoder "
+                "(its max_position_embeddings): a question that long could not be read"
+            )
         if getattr(self.model, "pooler", None) is not None:
             self.model.pooler = None  # unused: we pool after fusion
         self.add_adapter("text.adapter")

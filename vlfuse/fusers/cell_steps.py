@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig
-from vlfuse.parts import EVIDENCE, MAX_HEADS, check_range
+from vlfuse.parts import EVIDENCE, MAX_HEADS, check_mlp_ratio, check_range
 from vlfuse.layers import CrossAttention, FusionBlock
 
 NEIGHBOURHOOD = 3
@@ -65,6 +65,7 @@ class CellStepsConfig(FuserConfig):
         super().__post_init__()
         check_range("fuser.heads", self.heads, 1, MAX_HEADS)
         check_range("fuser.find_heads", self.find_heads, 1, MAX_HEADS)
+        check_mlp_ratio("fuser.mlp_ratio", self.mlp_ratio)
         if not self.find_diversity_weight >= 0:
             raise ValueError(f"fuser.find_diversity_weight must be >= 0, got {self.find_diversity_weight}")
 

@@ -11,7 +11,7 @@ import torch
 from vlfuse.fusers.base import FUSERS, Fused, Fuser, FuserConfig
 from vlfuse.layers import CrossAttention, FusionStack, ProjectedContext, head_diversity
 from vlfuse.layers.attention import ContextTokens
-from vlfuse.parts import MAX_HEADS, MAX_LAYERS, check_range
+from vlfuse.parts import MAX_HEADS, MAX_LAYERS, check_mlp_ratio, check_range
 
 
 @FUSERS.register
@@ -58,6 +58,7 @@ class FusionStackConfig(FuserConfig):
         super().__post_init__()
         check_range("fuser.depth", self.depth, 1, MAX_LAYERS)
         check_range("fuser.heads", self.heads, 1, MAX_HEADS)
+        check_mlp_ratio("fuser.mlp_ratio", self.mlp_ratio)
         if self.diversity_weight < 0:
             raise ValueError(f"fuser.diversity_weight must be >= 0, got {self.diversity_weight}")
 

@@ -33,7 +33,7 @@ from vlfuse.data.transforms import check_interpolation
 from vlfuse.encoders import load_saved_tokenizer
 from vlfuse.errors import first_line
 from vlfuse.model import ImageContext, VLFuseOutput, answer_list
-from vlfuse.parts import MAX_IMAGE_SIDE
+from vlfuse.parts import MAX_IMAGE_SIDE, MAX_TOKENS, MAX_VOCAB
 from vlfuse.processor import VLFuseProcessor
 from vlfuse.runtime import DEFAULT_THREADS, check_threads
 
@@ -190,12 +190,11 @@ def read_export_meta(directory: Path) -> dict:
 def processor_fields(meta: dict) -> tuple[int, int, int, str]:
     """``(image_size, max_length, vocab_size, interpolation)`` of an export's ``config.json``, checked
     (an export written before it recorded its interpolation resized bilinearly)."""
-    values = tuple(meta[key] for key in ("image_size", "max_length", "vocab_size"))
-    for key, value in zip(("image_size", "max_length", "vocab_size"), values):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    if values[0] > MAX_IMAGE_SIDE:
-        raise ValueError(f"image_size must be at most {MAX_IMAGE_SIDE}, got {values[0]}")
+    limits = {"image_size": MAX_IMAGE_SIDE, "max_length": MAX_TOKENS, "vocab_size": MAX_VOCAB}
+    values = tuple(meta[key] for key in limits)
+    for (key, limit), value in zip(limits.items(), values):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+            raise ValueError(f"{key} must be an integer from 1 to {limit}, got {value!r}")
     quantization = meta.get("quantization")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be null or one of {QUANTIZATIONS}, got {quantization!r}")
