@@ -343,6 +343,25 @@ def test_tokenizer_ids_beyond_the_text_encoders_vocabulary_are_refused(folder):
     refused(folder, r"tokenizer gives token ids up to 503, but the text encoder has \d+ embeddings")
 
 
+def test_a_tokenizer_file_larger_than_its_vocabulary_needs_is_refused_before_it_is_parsed(folder, monkeypatch):
+    tokenizer_json = folder / "tokenizer" / "tokenizer.json"
+    data = json.loads(tokenizer_json.read_text())
+    data["model"]["vocab"].update({f"w{i}": i for i in range(100, 200_000)})  # ids past the embeddings, 2.6 MB
+    tokenizer_json.write_text(json.dumps(data))
+    record_digests(folder)
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: pytest.fail("parsed"))
+    refused(folder, r"tokenizer.json is [\d,]+ bytes, more than the [\d,]+ a tokenizer of \d+ tokens may need")
+
+
+def test_a_tokenizer_the_tokenizers_library_refuses_is_one_line(folder):
+    tokenizer_json = folder / "tokenizer" / "tokenizer.json"
+    data = json.loads(tokenizer_json.read_text())
+    data["model"]["vocab"]["bad"] = -5
+    tokenizer_json.write_text(json.dumps(data))
+    record_digests(folder)
+    refused(folder, r"tokenizer cannot be read as a tokenizer: invalid value: integer `-5`")
+
+
 def test_a_tokenizer_that_names_code_runs_none_and_asks_nothing(folder, monkeypatch, tmp_path):
     """``auto_map`` naming a .py file of the folder: transformers would ask on a terminal, and run it
     on "y". vlfuse passes trust_remote_code=False: the code never runs, nothing is asked."""

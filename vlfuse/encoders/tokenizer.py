@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from vlfuse.encoders.hub import load_named
+from vlfuse.errors import first_line
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 
@@ -60,12 +61,30 @@ def load_tokenizer(name_or_dir: str):
     return load_named(partial(AutoTokenizer.from_pretrained, trust_remote_code=False), name_or_dir, "a tokenizer")
 
 
+TOKENIZER_FILE_BYTES = (1 << 20, 256)
+"""A saved tokenizer's files may hold 1 MiB plus 256 bytes per token of its text encoder (BERT's
+tokenizer.json: 15 bytes a token, XLM-R's: 68): a larger file is refused before it is parsed."""
+
+
 def load_saved_tokenizer(folder: Path, vocab_size: int | None = None):
     """The tokenizer a model folder saved in ``folder``, read from local files only, with no code run;
-    with ``vocab_size`` (the text encoder's embeddings), a ``ValueError`` when it gives larger ids."""
-    tokenizer = load_named(
-        partial(AutoTokenizer.from_pretrained, trust_remote_code=False, local_files_only=True), str(folder), "a tokenizer"
-    )
+    with ``vocab_size`` (the text encoder's embeddings), a ``ValueError`` when a file is larger than
+    such a tokenizer needs (:data:`TOKENIZER_FILE_BYTES`) or the tokenizer gives larger ids."""
+    if vocab_size is not None:
+        base, per_token = TOKENIZER_FILE_BYTES
+        limit = base + per_token * vocab_size
+        for file in sorted(Path(folder).iterdir()):
+            if file.is_file() and file.stat().st_size > limit:
+                raise ValueError(f"{file} is {file.stat().st_size:,} bytes, more than the {limit:,} a tokenizer of "
+                                 f"{vocab_size:,} tokens may need")
+    try:
+        tokenizer = load_named(
+            partial(AutoTokenizer.from_pretrained, trust_remote_code=False, local_files_only=True), str(folder), "a tokenizer"
+        )
+    except ValueError:
+        raise
+    except Exception as err:  # the tokenizers library's own errors, e.g. a negative token id
+        raise ValueError(f"{folder} cannot be read as a tokenizer: {first_line(err)}") from None
     largest = max(tokenizer.get_vocab().values(), default=-1)
     if vocab_size is not None and largest >= vocab_size:
         raise ValueError(f"{folder} gives token ids up to {largest}, but the text encoder has {vocab_size} embeddings")
