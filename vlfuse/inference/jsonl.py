@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from vlfuse.json_input import JSONInputError, parse_json
+
 
 @dataclass
 class InputRow:
@@ -34,16 +36,22 @@ class InputRow:
 def read_rows(path: Path, keys: Sequence[str] = ("image", "question")) -> list[InputRow]:
     """Parse a JSONL file of objects with ``keys`` (``image`` among them); a bad line becomes a row with an error.
 
-    Image paths are relative to the file's directory, unless absolute. Blank lines are skipped.
+    A line must be UTF-8 text and strict JSON (:func:`~vlfuse.json_input.parse_json`: no ``NaN``, no
+    integer of more digits than Python converts, no nesting too deep). Image paths are relative to
+    the file's directory, unless absolute. Blank lines are skipped.
     """
-    with open(path, encoding="utf-8", errors="replace") as lines:
-        return [_parse_line(n, text, path.parent, keys) for n, text in enumerate(lines, 1) if text.strip()]
+    with open(path, "rb") as lines:
+        return [_parse_line(n, raw, path.parent, keys) for n, raw in enumerate(lines, 1) if raw.strip()]
 
 
-def _parse_line(number: int, text: str, base: Path, keys: Sequence[str]) -> InputRow:
+def _parse_line(number: int, raw: bytes, base: Path, keys: Sequence[str]) -> InputRow:
     try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return InputRow(number, {}, error=f"not UTF-8 text: {err.reason} at byte {err.start}")
+    try:
+        record = parse_json(text)
+    except JSONInputError as err:
         return InputRow(number, {}, error=f"malformed JSON: {err}")
     if not isinstance(record, dict):
         return InputRow(number, {}, error=f"expected a JSON object with {' and '.join(repr(k) for k in keys)}")
