@@ -162,6 +162,24 @@ def test_a_malformed_card_record_is_one_line_naming_config_json(fitted, tmp_path
         VLFuseModel.from_pretrained(copy)
 
 
+@pytest.mark.parametrize("damage", [
+    lambda meta: meta["card"]["parameters"].update(parts=[1, 2]),
+    lambda meta: meta["card"]["parameters"].update(total="many"),
+    lambda meta: meta["config"].update(image="vit"),
+], ids=["parts a list", "total a word", "image a string"])
+def test_vlfuse_card_of_a_config_with_values_of_another_kind_is_one_line(fitted, tmp_path, capsys, damage):
+    _, folder = fitted
+    copy = copy_of(folder, tmp_path)
+    meta = json.loads((copy / "config.json").read_text())
+    damage(meta)
+    (copy / "config.json").write_text(json.dumps(meta))
+    card = (copy / "README.md").read_bytes()
+    assert vlfuse_main(["card", str(copy), "--write"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and f"{copy / 'config.json'}: cannot describe the model from it" in error
+    assert (copy / "README.md").read_bytes() == card  # the card as it was
+
+
 # ------------------------------------------------------------------------------ vlfuse prune
 def test_vlfuse_prune_writes_the_card_of_the_pruned_model(fitted, tmp_path, capsys):
     _, folder = fitted

@@ -37,6 +37,7 @@ from torch import nn
 
 import vlfuse
 from vlfuse import model_io
+from vlfuse.errors import first_line
 
 CARD_KEY = "card"
 """The key of ``config.json`` that holds the card's facts."""
@@ -320,9 +321,16 @@ def add_metrics(folder: Path, metrics: Sequence[Metric], splits: Mapping[str, An
 
 
 def render(folder: Path, meta: Mapping[str, Any]) -> ModelCard:
-    """The card of the model folder ``folder`` whose ``config.json`` holds ``meta``."""
-    facts = Facts(folder, meta)
-    return ModelCard(f"---\n{facts.card_data().to_yaml()}\n---\n\n{facts.body()}")
+    """The card of the model folder ``folder`` whose ``config.json`` holds ``meta``; a ``config.json``
+    whose values are not of the kinds vlfuse writes is a one-line ``ValueError`` naming it."""
+    try:
+        facts = Facts(folder, meta)
+        return ModelCard(f"---\n{facts.card_data().to_yaml()}\n---\n\n{facts.body()}")
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as err:
+        raise ValueError(
+            f"{folder / model_io.CONFIG_FILE}: cannot describe the model from it, a value is not of the kind vlfuse writes "
+            f"({type(err).__name__}: {first_line(err)})"
+        ) from None
 
 
 class Facts:
