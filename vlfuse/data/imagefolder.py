@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -43,6 +42,7 @@ from vlfuse.data.records import ImageQuestions, ImageSource
 from vlfuse.data.tables import BadRowError, Table, read_table
 from vlfuse.data.transforms import ImageLoadError, load_image, open_image
 from vlfuse.data.vqa_v2 import majority_answer, normalize_answer
+from vlfuse.json_input import JSONInputError, parse_json
 
 METADATA_FILE = "metadata.jsonl"
 """The metadata file that vlfuse writes (scripts/easy_vqa_as_imagefolder.py)."""
@@ -206,8 +206,8 @@ def _listed(value: Any, column: str, where: str) -> list[str]:
     listed = value
     if isinstance(value, str):
         try:
-            listed = json.loads(value)
-        except json.JSONDecodeError:
+            listed = parse_json(value)
+        except JSONInputError:  # not JSON, or too deep, too long a number: not a list of answers
             pass
     if not isinstance(listed, list) or not listed or not all(isinstance(a, str) and a.strip() for a in listed):
         raise BadRowError(

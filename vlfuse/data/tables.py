@@ -7,15 +7,20 @@ messages show them: ``data.csv:3`` and ``metadata.jsonl:3`` for the row on line 
 is line 1), ``data.json row 2`` and ``metadata.parquet row 2`` for the row at index 2. ``row`` is
 the row's parsed value (a dict for a good row: a CSV's cells as strings, an empty cell as ``""``),
 or the :class:`BadRowError` saying why the row cannot be read.
+
+A data file is untrusted: a JSON Lines line is parsed by :func:`~vlfuse.json_input.parse_json`, so
+one that is not strict JSON (``NaN``, an integer of more digits than Python converts, nesting too
+deep) is a bad row like any malformed line.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TextIO
+
+from vlfuse.json_input import JSONInputError, parse_json
 
 TableRows = Iterable[tuple[str, Any]]
 """``(where, row)`` pairs: the row's parsed value, or a :class:`BadRowError`."""
@@ -34,6 +39,11 @@ class Table:
     rows: TableRows
 
 
+def _reason(err: JSONInputError) -> str:
+    """Why a line is not JSON; its line is the caller's to name (``parse_json`` counts the lines of one line's text)."""
+    return str(err).replace(" (line 1, column ", " (column ")
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
@@ -41,11 +51,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 continue
             where = f"{path}:{number}"
             try:
-                yield where, json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as err:
-                yield where, BadRowError(f"{where}: not UTF-8 text: {err.reason} at byte {err.start}")
-            except json.JSONDecodeError as err:
-                yield where, BadRowError(f"{where}: not valid JSON: {err.msg} (column {err.colno})")
+                yield where, parse_json(raw)
+            except JSONInputError as err:
+                yield where, BadRowError(f"{where}: {_reason(err)}")
 
 
 def read_jsonl(path: Path) -> Table:
@@ -57,14 +65,13 @@ def read_json(path: Path) -> Table:
     """A JSON file holding a list of objects, one per row.
 
     Raises:
-        BadRowError: the file is not UTF-8 JSON, or does not hold a list.
+        BadRowError: the file is not UTF-8 text, not strict JSON (:func:`~vlfuse.json_input.parse_json`),
+            or does not hold a list.
     """
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise BadRowError(f"{path}: not UTF-8 text: {err.reason} at byte {err.start}") from None
-    except json.JSONDecodeError as err:
-        raise BadRowError(f"{path}: not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})") from None
+        data = parse_json(path.read_bytes())
+    except JSONInputError as err:
+        raise BadRowError(f"{path}: {err}") from None
     if not isinstance(data, list):
         raise BadRowError(f"{path}: expected a JSON list of objects, one per question; got a {type(data).__name__}")
     return Table(path, None, ((f"{path} row {index}", row) for index, row in enumerate(data)))
