@@ -263,6 +263,11 @@ def test_a_bad_config_is_one_line_naming_it(folder, change, pattern):
     assert "config.json" in message
 
 
+def test_a_config_json_larger_than_any_vlfuse_writes_is_refused_before_it_is_parsed(folder):
+    edit_config(folder, lambda meta: meta.update(pad=[[1]] * 1_000_000))  # 5 MB of small lists: over 1 GB once parsed
+    refused(folder, r"config.json is 4.8 MiB, more than the 4 MiB this file of a model folder may be")
+
+
 def test_a_config_json_that_is_a_list_is_one_line(folder):
     (folder / "config.json").write_text("[]")
     refused(folder, r"config.json is not a vlfuse model of format 1 or 2 or 3")

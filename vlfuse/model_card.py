@@ -295,7 +295,7 @@ def write_card(folder: Path, meta: Mapping[str, Any] | None = None) -> Path:
 def read_folder_meta(folder: Path) -> dict[str, Any]:
     """``folder``'s ``config.json``, checked to be a vlfuse model's (any kind and format)."""
     model_io.require_files(folder, [model_io.CONFIG_FILE], "a saved vlfuse model")
-    meta = model_io.read_json(folder / model_io.CONFIG_FILE)
+    meta = model_io.read_json(folder / model_io.CONFIG_FILE, model_io.MAX_CONFIG_BYTES)
     if not isinstance(meta, dict) or meta.get("model_type") not in KINDS:
         raise ValueError(f"{folder / model_io.CONFIG_FILE} is not the config of a vlfuse model folder")
     return meta

@@ -64,6 +64,8 @@ MODEL_TYPES = (MODEL_TYPE, "vlfuse-caption")
 
 MAX_JSON_BYTES = 64 << 20
 """The largest JSON file of a model folder that is read (64 MiB: a million answers fit)."""
+MAX_CONFIG_BYTES = 4 << 20
+"""The largest ``config.json`` that is read (one vlfuse writes holds about 12 KB)."""
 
 STAGING = ".partial-"
 """Marks the hidden folder a save writes into, ``.<target>.partial-<pid>-<random>``, beside the target
@@ -282,13 +284,13 @@ def require_regular(path: Path) -> None:
         raise ValueError(f"{path} is not a regular file")
 
 
-def read_json(path: Path) -> Any:
-    """The JSON in ``path``; a one-line ``ValueError`` naming the file when it is too large or not
-    strict JSON (:func:`vlfuse.json_input.parse_json`)."""
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The JSON in ``path``; a one-line ``ValueError`` naming the file when it is larger than
+    ``max_bytes`` or not strict JSON (:func:`vlfuse.json_input.parse_json`)."""
     require_regular(path)
     size = path.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise ValueError(f"{path} is {size / 2**20:.0f} MiB, more than the {MAX_JSON_BYTES >> 20} MiB a model folder's JSON may be")
+    if size > max_bytes:
+        raise ValueError(f"{path} is {size / 2**20:.1f} MiB, more than the {max_bytes >> 20} MiB this file of a model folder may be")
     try:
         return parse_json(path.read_bytes())
     except JSONInputError as err:
@@ -297,7 +299,7 @@ def read_json(path: Path) -> Any:
 
 def read_meta(directory: Path, model_type: str, formats: Sequence[int]) -> dict:
     """``config.json`` of ``directory``, checked to describe a ``model_type`` model of one of ``formats``."""
-    meta = read_json(directory / CONFIG_FILE)
+    meta = read_json(directory / CONFIG_FILE, MAX_CONFIG_BYTES)
     version = meta.get("format_version") if isinstance(meta, dict) else None
     known = version in formats and not isinstance(version, bool)  # true == 1 in Python, not in the format
     if not isinstance(meta, dict) or meta.get("model_type") != model_type or not known:
@@ -312,7 +314,7 @@ def read_meta(directory: Path, model_type: str, formats: Sequence[int]) -> dict:
 def model_type_of(directory: str | Path) -> str | None:
     """The ``model_type`` in ``directory``'s ``config.json``; ``None`` when it has none or cannot be read."""
     try:
-        meta = read_json(Path(directory) / CONFIG_FILE)
+        meta = read_json(Path(directory) / CONFIG_FILE, MAX_CONFIG_BYTES)
     except (OSError, ValueError):
         return None
     return meta.get("model_type") if isinstance(meta, dict) else None
