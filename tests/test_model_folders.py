@@ -264,7 +264,7 @@ def test_a_bad_config_is_one_line_naming_it(folder, change, pattern):
 
 
 def test_a_config_json_larger_than_any_vlfuse_writes_is_refused_before_it_is_parsed(folder):
-    edit_config(folder, lambda meta: meta.update(pad=[[1]] * 1_000_000))  # 5 MB of small lists: over 1 GB once parsed
+    edit_config(folder, lambda meta: meta.update(pad=[[1]] * 1_000_000))  # 5 MB of small lists
     refused(folder, r"config.json is 4.8 MiB, more than the 4 MiB this file of a model folder may be")
 
 
