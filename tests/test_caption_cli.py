@@ -103,7 +103,7 @@ def test_cli_batch_reports_bad_rows_in_place(model_dir, images, tmp_path, capsys
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["line"] for r in rows] == [1, 2, 3, 4, 5, 6]
     failed = {r["line"]: r["error"] for r in rows if "error" in r}
-    assert failed[2].startswith("line 2: malformed JSON")
+    assert failed[2].startswith("line 2: not valid JSON: Expecting")
     assert failed[3] == "line 3: missing 'image'"
     assert failed[4].startswith("line 4: image file not found")
     assert failed[5] == "line 5: expected a JSON object with 'image'"

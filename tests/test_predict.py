@@ -487,7 +487,7 @@ def test_cli_batch_reports_bad_rows_and_answers_the_rest_in_order(
     assert [r["line"] for r in rows] == [1, 2, 3, 5, 6, 7, 8, 9, 10]
     failed = {r["line"]: r["error"] for r in rows if "error" in r}
     assert sorted(failed) == [3, 5, 6, 7, 9, 10]
-    assert failed[3].startswith("line 3: malformed JSON")
+    assert failed[3].startswith("line 3: not valid JSON: Expecting")
     assert failed[5] == "line 5: missing 'question'"
     assert failed[6].startswith("line 6: image file not found")
     assert failed[7] == "line 7: empty question"

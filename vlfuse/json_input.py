@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 
@@ -47,7 +48,7 @@ def parse_json(text: str | bytes) -> Any:
         raise JSONInputError(f"not UTF-8 text: {err.reason} at byte {err.start}") from None
     except json.JSONDecodeError as err:
         raise JSONInputError(f"not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})") from None
-    except ValueError as err:  # an integer past sys.get_int_max_str_digits()
-        raise JSONInputError(f"not usable JSON: {str(err).splitlines()[0]}") from None
+    except ValueError:  # an integer past sys.get_int_max_str_digits()
+        raise JSONInputError(f"not usable JSON: an integer of more than {sys.get_int_max_str_digits()} digits") from None
     except RecursionError:
         raise JSONInputError("not usable JSON: nested too deep") from None

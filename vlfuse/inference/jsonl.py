@@ -52,7 +52,7 @@ def _parse_line(number: int, raw: bytes, base: Path, keys: Sequence[str]) -> Inp
     try:
         record = parse_json(text)
     except JSONInputError as err:
-        return InputRow(number, {}, error=f"malformed JSON: {err}")
+        return InputRow(number, {}, error=str(err))
     if not isinstance(record, dict):
         return InputRow(number, {}, error=f"expected a JSON object with {' and '.join(repr(k) for k in keys)}")
     fields = {key: record[key] for key in keys if key in record}
