@@ -58,8 +58,9 @@ def test_an_answers_cell_nested_too_deep_is_not_a_list_of_answers(tmp_path):
     (tmp_path / "a.png").write_bytes(b"")  # never opened: the row is refused first
     path = tmp_path / "metadata.csv"
     path.write_text(f'file_name,question,answers\na.png,colour?,{"[" * 3000 + "]" * 3000}\n')
-    with pytest.raises(BadRowError, match=rf"^{path}:2: 'answers' must be a non-empty list of answers"):
+    with pytest.raises(BadRowError, match=rf"^{path}:2: 'answers' must be a non-empty list of answers") as caught:
         load_imagefolder_split(tmp_path)
+    assert str(caught.value).endswith("... (6,002 characters)") and len(str(caught.value)) < 400  # the cell, cut
 
 
 # ----------------------------------------------------------------------------------- CSV

@@ -197,8 +197,14 @@ def _text(row: Mapping, field: str, columns: Mapping[str, str], where: str) -> s
     if column not in row:
         raise BadRowError(f"{where}: no {column!r} (a non-empty string); {_absent(row, field, columns)}")
     if not isinstance(value, str) or not value.strip():
-        raise BadRowError(f"{where}: no {column!r} (a non-empty string); got {value!r}")
+        raise BadRowError(f"{where}: no {column!r} (a non-empty string); got {_shown(value)}")
     return value.strip()
+
+
+def _shown(value: Any, limit: int = 100) -> str:
+    """``repr(value)`` for a message, cut after ``limit`` characters (a cell may hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _listed(value: Any, column: str, where: str) -> list[str]:
@@ -212,7 +218,7 @@ def _listed(value: Any, column: str, where: str) -> list[str]:
     if not isinstance(listed, list) or not listed or not all(isinstance(a, str) and a.strip() for a in listed):
         raise BadRowError(
             f"{where}: {column!r} must be a non-empty list of answers (in a CSV cell, a JSON list: "
-            f'["red", "dark red"]); got {value!r}'
+            f'["red", "dark red"]); got {_shown(value)}'
         )
     return listed
 

@@ -202,9 +202,10 @@ class ImageFolderDataModule(VQADataModule):
         val_fraction: for a single ``data_files`` table: the share of its images (at least one,
             with all their questions) held out for validation, chosen with ``seed``.
         test_fraction: likewise, for the test split.
-        skip_bad_rows: leave out rows with malformed JSON, no question, no answer, a missing,
-            unreadable or too large image, or a path outside the table's folder (the count per
-            split is printed) instead of stopping.
+        skip_bad_rows: leave out rows with malformed or non-strict JSON, CSV records the csv
+            module refuses (an unclosed quote, a cell past its size limit), no question, no
+            answer, a missing, unreadable or too large image, or a path outside the table's folder
+            (the count per split is printed) instead of stopping.
         allow_outside_paths: for ``data_dir`` and ``data_files``: read an image path that is
             absolute or leads outside its table's folder (through ``..`` or a symbolic link); by
             default such a row is a bad row.
