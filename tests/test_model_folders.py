@@ -515,10 +515,13 @@ def test_vlfuse_fit_killed_at_many_points_of_its_export_leaves_the_old_model_or_
     assert {"old", "new"} <= {name for name, _ in outcomes}, "kills should land before and after the new model took its place"
 
 
-def test_a_saved_folder_gets_the_permissions_of_any_new_folder(saved, tmp_path):
+def test_a_saved_folder_and_its_files_get_the_permissions_of_any_new_folder_and_file(saved, tmp_path):
     directory = VLFuseModel.from_pretrained(saved[0]).save_pretrained(tmp_path / "m")
     (tmp_path / "plain").mkdir()
+    (tmp_path / "plain.txt").write_text("")
     assert directory.stat().st_mode == (tmp_path / "plain").stat().st_mode
+    modes = {path.name: path.stat().st_mode for path in directory.rglob("*") if path.is_file()}
+    assert modes and set(modes.values()) == {(tmp_path / "plain.txt").stat().st_mode}, modes  # the weights too
 
 
 def test_a_checkpoint_given_as_a_model_folder_says_what_to_give(tmp_path, capsys):

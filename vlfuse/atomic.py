@@ -38,6 +38,14 @@ def remove_abandoned(folder: Path, prefix: str) -> None:
             entry.unlink(missing_ok=True)
 
 
+def give_default_permissions(path: Path) -> None:
+    """Give the file ``path`` the permissions of any new file under this process's umask (safetensors
+    creates its files readable by their owner only: a model folder is meant to be shared)."""
+    umask = os.umask(0o022)  # reading the umask sets it: put it back at once
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def fsync(path: Path) -> None:
     """Flush the file or folder ``path`` to disk (a folder: the renames in it); a no-op where folders
     cannot be opened (Windows)."""

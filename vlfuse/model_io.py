@@ -103,6 +103,7 @@ def save_weights(model: nn.Module, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(state, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    atomic.give_default_permissions(directory / WEIGHTS_FILE)
     return directory
 
 

@@ -387,7 +387,7 @@ class FeatureStoreWriter:
         temp = self._staging(target)
         try:
             save_file({TENSOR: features.contiguous()}, str(temp), metadata={"format": "pt"})
-            os.chmod(temp, 0o644)  # readable as the index is (safetensors creates it private)
+            atomic.give_default_permissions(temp)  # readable as the index is (safetensors creates it private)
             atomic.fsync(temp)
             os.replace(temp, target)
         except BaseException:
