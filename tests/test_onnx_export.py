@@ -141,6 +141,17 @@ def test_cli_exports_and_predicts_on_the_export(model_dir, int8_export, images, 
     assert capsys.readouterr().out.startswith(f"answer: {expected['answer']} (probability {expected['score']:.4f})")
 
 
+def test_exporting_a_caption_model_says_it_is_one(tmp_path, capsys):
+    from vlfuse.captioning import CaptionConfig, CaptionModel
+    from vlfuse.encoders import ImageEncoderConfig
+
+    config = CaptionConfig(image=ImageEncoderConfig(image_size=30, patch_size=10, width=16, depth=1, num_heads=2), dim=16, depth=1)
+    folder = CaptionModel.from_config(config, ["there is a red square ."]).save_pretrained(tmp_path / "captions")
+    assert vlfuse_main(["export", "--model", str(folder), "--output", str(tmp_path / "out")]) == 2
+    assert f"{folder} is a caption model: only question-answering models are exported" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------------------ never replaced
 def test_an_export_replaces_nothing(model, fp32_dir, tmp_path, capsys, quick_graph):
     before = model_io.file_digests(fp32_dir)

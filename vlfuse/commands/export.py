@@ -35,10 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """``vlfuse export``: see :func:`build_parser`."""
     args = build_parser().parse_args(argv)
+    from vlfuse.captioning.model import is_caption_model
     from vlfuse.inference.onnx_export import check_new, export_onnx
     from vlfuse.model import VLFuseModel
 
     check_new(args.output)  # before the model loads: a taken output stops at once
+    if is_caption_model(args.model):
+        raise ValueError(f"{args.model} is a caption model: only question-answering models are exported (docs/deployment.md)")
     model = VLFuseModel.from_pretrained(args.model)
     done = export_onnx(model, args.output, quantize=args.quantize, source=str(args.model))
     kind = "int8" if done.quantization else "float32"
