@@ -1,5 +1,6 @@
 """Which heads go, the pruned copy and what it saves, and the ``vlfuse prune`` command end to end."""
 
+import sys
 
 import numpy as np
 import pytest
@@ -307,3 +308,12 @@ def test_vlfuse_prune_removes_a_cell_readers_heads_and_the_smaller_model_answers
     results = Predictor.from_pretrained(out).predict(images, questions)
     assert [r["answer"] for r in results] == [model.answers[i] for i in probs.argmax(-1)]
     torch.testing.assert_close(torch.tensor([r["score"] for r in results]), probs.max(-1).values, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("argv0, typed", [(".venv/bin/vlfuse", ".venv/bin/vlfuse"), ("/srv/env/bin/vlfuse", "/srv/env/bin/vlfuse"),
+                                          ("-c", "vlfuse"), ("/repo/vlfuse/cli.py", "vlfuse")])
+def test_the_printed_test_command_starts_as_vlfuse_was_started(monkeypatch, argv0, typed):
+    from vlfuse.commands.prune import typed_command
+
+    monkeypatch.setattr(sys, "argv", [argv0, "prune"])
+    assert typed_command() == typed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -220,5 +221,12 @@ def main(argv: list[str]) -> int:
     print(format_report(rows))
     print()
     print(f"vlfuse prune: saved the pruned model to {args.out}")
-    print(f"  test it: vlfuse test --config {args.config} --model.pretrained {args.out}")
+    print(f"  test it: {typed_command()} test --config {args.config} --model.pretrained {args.out}")
     return 0
+
+
+def typed_command() -> str:
+    """``vlfuse`` as this process was started, to print a command that can be pasted as it is: the
+    console script's path (``.venv/bin/vlfuse``) when run through it, else ``vlfuse``."""
+    script = Path(sys.argv[0])
+    return str(script) if script.name == "vlfuse" else "vlfuse"
