@@ -52,11 +52,13 @@ class Terminal(io.StringIO):
         return True
 
 
-def fake_trainer(epoch: int, metrics: dict[str, float], *, progress_bar: bool = False) -> SimpleNamespace:
-    """The trainer state that :class:`EpochSummary` reads, at the end of epoch ``epoch`` (from 0) of 10."""
+def fake_trainer(epoch: int, metrics: dict[str, float], *, progress_bar: bool = False, max_steps: int = -1) -> SimpleNamespace:
+    """The trainer state that :class:`EpochSummary` reads, at the end of epoch ``epoch`` (from 0) of 10,
+    of 100 steps each."""
     return SimpleNamespace(
         callback_metrics={name: torch.tensor(value) for name, value in metrics.items()}, current_epoch=epoch,
         max_epochs=10, is_global_zero=True, sanity_checking=False, progress_bar_callback=object() if progress_bar else None,
+        max_steps=max_steps, num_training_batches=100, accumulate_grad_batches=1, global_step=100 * (epoch + 1),
     )
 
 
@@ -77,6 +79,12 @@ def test_the_callback_keeps_the_best_accuracy_and_estimates_the_rest(capsys):
         ("1", "10", "0.500", "0.500"), ("2", "10", "0.750", "0.750"), ("3", "10", "0.625", "0.750"),
     ]
     assert all(line.endswith(" s left") for line in lines)  # 7 epochs to go at the pace so far
+
+
+def test_the_time_left_ends_where_max_steps_ends_the_run(capsys):
+    run_epochs(EpochSummary(), [0.5, 0.75, 0.625], max_steps=300)  # 3 epochs of 100 steps, not 10
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.endswith(" s left") for line in lines] == [True, True, False]
 
 
 def test_nothing_is_printed_under_a_progress_bar_on_a_terminal(capsys, monkeypatch):

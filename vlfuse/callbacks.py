@@ -16,6 +16,7 @@ file, and the run's curves at the end.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -141,10 +142,15 @@ def shows_progress_bar(trainer: L.Trainer, stream: TextIO) -> bool:
 
 
 def epochs_left(trainer: L.Trainer) -> int | None:
-    """The epochs still to train after the current one, or ``None`` when ``max_epochs`` sets no end."""
-    if trainer.max_epochs is None or trainer.max_epochs < 0:
-        return None
-    return max(trainer.max_epochs - trainer.current_epoch - 1, 0)
+    """The epochs still to train after the current one: to ``max_epochs``, or fewer where ``max_steps``
+    ends the run first; ``None`` when neither sets an end."""
+    left = None if trainer.max_epochs is None or trainer.max_epochs < 0 else max(trainer.max_epochs - trainer.current_epoch - 1, 0)
+    batches = trainer.num_training_batches
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and 0 < batches < math.inf:
+        steps_per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+        by_steps = math.ceil(max(trainer.max_steps - trainer.global_step, 0) / steps_per_epoch)
+        left = by_steps if left is None else min(left, by_steps)
+    return left
 
 
 def run_folder_of(log_dir: Path) -> Path:

@@ -120,7 +120,9 @@ class VLFuseCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(BestAndLastCheckpoint, "checkpoint")
         parser.set_defaults(
-            {"checkpoint.monitor": "val/acc", "checkpoint.mode": "max", "checkpoint.save_last": True}
+            {"checkpoint.monitor": "val/acc", "checkpoint.mode": "max", "checkpoint.save_last": True,
+             # in a log file a bar's frames are noise: the epoch lines of --progress are the progress there
+             "trainer.enable_progress_bar": sys.stderr.isatty()}
         )
         parser.add_lightning_class_args(ExportBestModel, "export")
         parser.add_lightning_class_args(ResumeTraining, "resume")
