@@ -97,7 +97,11 @@ def test_human_answers_reach_the_batch(tmp_path):
 # ----------------------------------------------------------------------------------- bad rows
 
 BAD_ROWS = {
-    "malformed JSON": ('{"file_name": "a.png", "question": "q?" "answer": "x"}', r"not valid JSON"),
+    "malformed JSON": ('{"file_name": "a.png", "question": "q?" "answer": "x"}', r"not valid JSON: Expecting ',' delimiter \(column 41\)$"),
+    "nested too deep": ("[" * 100_000 + "]" * 100_000, r"not usable JSON: nested too deep$"),
+    "integer of 5000 digits": ('{"file_name": "a.png", "question": "q?", "answer": "x", "n": ' + "1" * 5000 + "}",
+                               r"not usable JSON: an integer of more than 4300 digits$"),
+    "NaN": ('{"file_name": "a.png", "question": "q?", "answer": NaN}', r"NaN is not a JSON value$"),
     "not UTF-8": ('{"file_name": "a.png", "question": "caf\udce9?", "answer": "x"}', r"not UTF-8 text"),
     "no question": ({"file_name": "a.png", "answer": "x"}, r"no 'question'"),
     "empty question": ({"file_name": "a.png", "question": " ", "answer": "x"}, r"no 'question'"),

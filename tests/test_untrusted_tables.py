@@ -15,36 +15,15 @@ from vlfuse.data.imagefolder import BadRowError, load_imagefolder_split
 from vlfuse.data.tables import read_table
 
 from test_data_forms import fit, imagefolder, refused
-from test_imagefolder import split_with_bad_row, write_split
+from test_imagefolder import write_split
 
 LIMIT = csv.field_size_limit()
 DEEP = "[" * 100_000 + "]" * 100_000
 LONG_INTEGER = "1" * 5000
 
-NOT_STRICT_JSON = {
-    "nested too deep": (DEEP, r"not usable JSON: nested too deep$"),
-    "integer of 5000 digits": (
-        f'{{"file_name": "a.png", "question": "q?", "answer": "x", "n": {LONG_INTEGER}}}',
-        r"not usable JSON: an integer of more than 4300 digits",
-    ),
-    "NaN": ('{"file_name": "a.png", "question": "q?", "answer": NaN}', r"NaN is not a JSON value$"),
-    "malformed, at a column": ('{"file_name": "a.png" "question": "q?"}', r"not valid JSON: Expecting ',' delimiter \(column 23\)$"),
-}
 
-
-# ----------------------------------------------------------------------------------- JSON Lines
-@pytest.mark.parametrize("case", list(NOT_STRICT_JSON))
-def test_a_jsonl_line_that_is_not_strict_json_is_a_bad_row_naming_file_and_line(tmp_path, case):
-    line, message = NOT_STRICT_JSON[case]
-    metadata = split_with_bad_row(tmp_path, line)
-    with pytest.raises(BadRowError, match=rf"^{metadata}:3: {message}") as error:
-        load_imagefolder_split(tmp_path)
-    assert "\n" not in str(error.value)
-    loaded = load_imagefolder_split(tmp_path, skip_bad_rows=True)
-    assert loaded.skipped == 1
-    assert [len(r.questions) for r in loaded.records] == [3]
-
-
+# ----------------------------------------------------------------------------------- JSON
+# (a JSON Lines line that is not strict JSON: tests/test_imagefolder.py's BAD_ROWS)
 def test_a_json_table_nested_too_deep_is_one_line_naming_the_file(tmp_path):
     for text, message in ((DEEP, "not usable JSON: nested too deep"), (f"[{LONG_INTEGER}]", "not usable JSON: an integer of more than")):
         path = tmp_path / "data.json"
