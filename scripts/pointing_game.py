@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 from _common import add_model_argument, load_model
 from PIL import Image
+from tqdm import tqdm
 
 from vlfuse import runtime
 from vlfuse.analysis.explain import METHODS, MethodRefused, explain_pixels, untrained_copy
@@ -177,8 +179,9 @@ class Scores:
     refused: dict[str, str]
 
 
-def score(model, items: list[Item], seed: int) -> Scores:
-    """The hit counts of every method the model takes, of each head and of the baselines."""
+def score(model, items: list[Item], seed: int, progress: str | None = None) -> Scores:
+    """The hit counts of every method the model takes, of each head and of the baselines; with
+    ``progress``, a bar of the questions so named on standard error."""
     grid = tuple(model.image_encoder.grid_size)
     rng = np.random.default_rng(seed)
     runs, refused = usable_runs(model, items[0])
@@ -199,7 +202,8 @@ def score(model, items: list[Item], seed: int) -> Scores:
         """Count whether ``patch_map``'s maximum hits the object, under ``key`` of ``table``."""
         count(table.setdefault(key, [0] * (len(SHARES) + 1)), lambda region: hit(patch_map, region))
 
-    for item in items:
+    in_a_log = not sys.stderr.isatty()  # a frame each 30 s there, not each 0.1 s
+    for item in tqdm(items, desc=progress, unit="question", file=sys.stderr, disable=progress is None, mininterval=30 if in_a_log else 0.1):
         pixels = model.processor.image(item.image)[None]
         regions = [item.region(pixels, grid, share) for share in SHARES.values()]
         if not all(region.any() for region in regions):
@@ -235,11 +239,11 @@ def named_token(explanation, item: Item) -> int:
     return explanation.tokens.index(item.named_word)
 
 
-def add_untrained_baseline(scores: Scores, model, items: list[Item], seed: int) -> None:
+def add_untrained_baseline(scores: Scores, model, items: list[Item], seed: int, progress: str | None = None) -> None:
     """Score every method on an untrained model of ``model``'s architecture (:func:`untrained_copy`,
     drawn with ``seed``) and add each as a baseline, ``untrained model: METHOD``: what a method
-    scores without anything learnt, from the image alone."""
-    untrained = score(untrained_copy(model, seed), items, seed)
+    scores without anything learnt, from the image alone (``progress``: see :func:`score`)."""
+    untrained = score(untrained_copy(model, seed), items, seed, progress)
     scores.baselines.update({f"untrained model: {name}": counts for name, counts in untrained.methods.items()})
 
 
@@ -303,9 +307,9 @@ def main() -> None:
             raise SystemExit(f"error: --shapes-dir: {err}") from None
     if not items:
         raise SystemExit(f"error: --data {args.data}: no question about one object")
-    scores = score(model, items, args.seed)
+    scores = score(model, items, args.seed, progress="the model")  # minutes: every method explains every question
     if args.untrained_baseline:
-        add_untrained_baseline(scores, model, items, args.seed)
+        add_untrained_baseline(scores, model, items, args.seed, progress="an untrained model")
     print(report(scores, args.by_answer))
     for name, why in scores.refused.items():
         print(f"\n{name}: not scored, this model refuses it: {why}")
