@@ -345,7 +345,7 @@ def test_tokenizer_ids_beyond_the_text_encoders_vocabulary_are_refused(folder):
     words = [f"word{i}" for i in range(500)]
     build_word_tokenizer(words, 16).save_pretrained(folder / "tokenizer")
     record_digests(folder)
-    refused(folder, r"tokenizer gives token ids up to 503, but the text encoder has \d+ embeddings")
+    refused(folder, r"tokenizer gives token ids up to 503, but the model has \d+ word embeddings")
 
 
 def test_a_tokenizer_file_larger_than_its_vocabulary_needs_is_refused_before_it_is_parsed(folder, monkeypatch):
@@ -409,6 +409,14 @@ def test_a_caption_model_is_saved_with_digests_and_checked(tmp_path):
     directory = model.save_pretrained(tmp_path / "captions")
     assert "model.safetensors" in json.loads((directory / "config.json").read_text())["files"]
     CaptionModel.from_pretrained(directory)
+    words = [f"word{i}" for i in range(50)]
+    build_word_tokenizer(words, 16).save_pretrained(tmp_path / "tokenizer")  # ids past the decoder's embeddings
+    other = Path(shutil.copytree(directory, tmp_path / "other"))
+    shutil.rmtree(other / "tokenizer")
+    shutil.copytree(tmp_path / "tokenizer", other / "tokenizer")
+    record_digests(other)
+    with pytest.raises(ValueError, match=r"tokenizer gives token ids up to 53, but the model has \d+ word embeddings"):
+        CaptionModel.from_pretrained(other)
     weights = directory / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match="model.safetensors does not match"):

@@ -19,6 +19,8 @@ from vlfuse.processor import VLFuseProcessor
 
 FORMAT_VERSION = 1
 MODEL_TYPE = "vlfuse-caption"
+EMBEDDINGS = "decoder.embed.weight"
+"""The decoder's word embeddings in a saved folder's weights: ``(vocabulary, dim)``."""
 CHECKPOINTED_PARTS = ("image", "decoder")
 """The parts :meth:`CaptionModel.set_grad_checkpointing` can checkpoint."""
 
@@ -228,9 +230,11 @@ class CaptionModel(CaptionTokens, nn.Module, hub.HubMixin, **model_card.hub_meta
         config_file = directory / model_io.CONFIG_FILE
         config = model_io.parse_config(config_file, lambda: CaptionConfig.from_dict(model_io.with_recorded_interpolation(meta["config"])))
         run = model_io.parse_config(config_file, lambda: model_card.read_run(meta))
-        processor = caption_processor(config, load_saved_tokenizer(directory / model_io.TOKENIZER_DIR))
+        header = model_io.read_header(directory)
+        vocab_size = header.get(EMBEDDINGS, (None,))[0]  # the tokenizer's files and ids are checked against it
+        processor = caption_processor(config, load_saved_tokenizer(directory / model_io.TOKENIZER_DIR, vocab_size))
         described_by = str(config_file)
-        model = model_io.build_checked(lambda: cls(config, processor, load_pretrained=False), model_io.read_header(directory), directory, described_by)
+        model = model_io.build_checked(lambda: cls(config, processor, load_pretrained=False), header, directory, described_by)
         model_io.load_weights(model, model_io.read_weights(directory, map_location), directory, described_by)
         model.run_record = run
         return model.to(map_location).eval()

@@ -62,14 +62,15 @@ def load_tokenizer(name_or_dir: str):
 
 
 TOKENIZER_FILE_BYTES = (1 << 20, 256)
-"""A saved tokenizer's files may hold 1 MiB plus 256 bytes per token of its text encoder (BERT's
+"""A saved tokenizer's files may hold 1 MiB plus 256 bytes per word embedding of its model (BERT's
 tokenizer.json: 15 bytes a token, XLM-R's: 68): a larger file is refused before it is parsed."""
 
 
 def load_saved_tokenizer(folder: Path, vocab_size: int | None = None):
     """The tokenizer a model folder saved in ``folder``, read from local files only, with no code run;
-    with ``vocab_size`` (the text encoder's embeddings), a ``ValueError`` when a file is larger than
-    such a tokenizer needs (:data:`TOKENIZER_FILE_BYTES`) or the tokenizer gives larger ids."""
+    with ``vocab_size`` (the model's word embeddings: the text encoder's, or a caption decoder's), a
+    ``ValueError`` when a file is larger than such a tokenizer needs (:data:`TOKENIZER_FILE_BYTES`)
+    or the tokenizer gives larger ids."""
     if vocab_size is not None:
         base, per_token = TOKENIZER_FILE_BYTES
         limit = base + per_token * vocab_size
@@ -87,5 +88,5 @@ def load_saved_tokenizer(folder: Path, vocab_size: int | None = None):
         raise ValueError(f"{folder} cannot be read as a tokenizer: {first_line(err)}") from None
     largest = max(tokenizer.get_vocab().values(), default=-1)
     if vocab_size is not None and largest >= vocab_size:
-        raise ValueError(f"{folder} gives token ids up to {largest}, but the text encoder has {vocab_size} embeddings")
+        raise ValueError(f"{folder} gives token ids up to {largest}, but the model has {vocab_size} word embeddings")
     return tokenizer
