@@ -38,7 +38,7 @@ MAX_PLAIN_JSON = 4096
 LEFT_OUT = frozenset({"transformers_version", "architectures", "_name_or_path", "id2label", "label2id", "num_labels", "problem_type"})
 """Keys that describe the file or a task head, not the encoder: not passed on."""
 
-ATTENTION = {"attn_implementation": (None, "eager", "sdpa"), "dtype": (None, "float32"), "torch_dtype": (None, "float32")}
+ONE_OF = {"attn_implementation": (None, "eager", "sdpa"), "dtype": (None, "float32"), "torch_dtype": (None, "float32")}
 """Keys whose value must be one of a few: PyTorch's own attention, float32 weights."""
 
 
@@ -72,9 +72,9 @@ def check_setting(where: str, key: str, value: Any, defaults: dict[str, Any]) ->
     """A ``ValueError`` naming ``where`` unless ``value`` may be the setting ``key`` (see the module)."""
     if key.startswith("_"):
         raise ValueError(f"{where}: a private setting of transformers, which a saved encoder does not set")
-    if key in ATTENTION:
-        if value not in ATTENTION[key]:
-            raise ValueError(f"{where} must be one of {list(ATTENTION[key])}, got {value!r}")
+    if key in ONE_OF:
+        if value not in ONE_OF[key]:
+            raise ValueError(f"{where} must be one of {list(ONE_OF[key])}, got {value!r}")
         return
     if key in SIZES:
         if not isinstance(value, int) or isinstance(value, bool):
