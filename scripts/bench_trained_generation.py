@@ -47,7 +47,6 @@ from vlfuse.data.shapes import sample_scenes
 from vlfuse.encoders import word_tokenizer_from_json
 
 
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])

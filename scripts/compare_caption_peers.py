@@ -45,6 +45,7 @@ from vlfuse.analysis.data import read_config
 from vlfuse.analysis.tables import markdown_table
 from vlfuse.atomic import replace_file
 from vlfuse.baselines.hf_caption import HFCaptionPeer
+from vlfuse.captioning import CaptionConfig
 from vlfuse.captioning.lit import CaptionLitModule, training_captions
 from vlfuse.lit import agree_image_transform
 
@@ -122,10 +123,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def train_one(name: str, config: dict, args: argparse.Namespace, seed: int, lr: float, epochs: int) -> dict:
     """Train model ``name`` at ``lr`` with ``seed``; its times, sizes and best-epoch scores."""
     datamodule = load_datamodule(args.config, QUICK_DATA if args.quick else [])
-    init = {key: value for key, value in config["model"].get("init_args", {}).items() if key != "caption_model"}
+    init = dict(config["model"].get("init_args", {}))
+    architecture = CaptionConfig.from_dict(init.pop("caption_model"))  # main checked it with caption_architecture
     init["lr"] = lr
     L.seed_everything(seed, verbose=False)
-    module = (CaptionLitModule if name == "vlfuse" else HFCaptionLitModule)(caption_model=caption_architecture(args.config), **init)
+    module = (CaptionLitModule if name == "vlfuse" else HFCaptionLitModule)(caption_model=architecture, **init)
     checkpoint = config.get("checkpoint", {})
     clock = Clock(checkpoint.get("monitor", "val/cider"), checkpoint.get("mode", "max"))
     trainer = L.Trainer(
