@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_peers_speed.py --threads 1
     .venv/bin/python scripts/bench_peers_speed.py --threads 1 --images 64 --length 30 --repeats 15
+    .venv/bin/python scripts/bench_peers_speed.py --threads 1 --parts layer --repeats 41
 
 Generation: the caption model of configs/shapes_captions.yaml, greedy with vlfuse's
 :func:`~vlfuse.captioning.greedy` (its key/value cache), against transformers'
@@ -27,11 +28,10 @@ Fusion layer (float32, ``--layer-size`` B Lq Lk D H, default 32 32 197 768 16), 
   (``dense``), with vlfuse's weights copied in: the same op (outputs checked equal).
 - ``BertAttention (cross)``: the whole module of a ``BertLayer`` with ``add_cross_attention``
   (``BertAttention(is_cross_attention=True)``): the same op plus its residual add and LayerNorm.
-- ``vlfuse, k and v apart`` (not the package's layer; a diagnosis): vlfuse's layer with its keys and
-  values computed by two products from the halves of ``kv_proj`` instead of one product split in
-  two. The forward is bitwise the same; the backward needs no concatenation of the two halves'
-  gradients, op for op what BERT's separate ``key`` and ``value`` layers cost, but its gradient of
-  the image tokens is summed in another order (rounding-level differences that change a seeded run).
+- ``vlfuse, one k/v product`` (vlfuse's layer until 6 December 2026; a diagnosis): keys and
+  values from one product with the whole of ``kv_proj``, split in two, where the package now runs two
+  products with its halves. Its backward concatenates the key and value gradients into one
+  ``(B, Lk, 2 x D)`` tensor, and its attention reads keys and values interleaved in memory.
 - ``timm Attention (concat)``: timm's ``Attention`` cannot take queries from one sequence and keys
   from another; what a single-stream model (ViLT) does instead is self-attention over the text and
   image tokens together, so it runs over the ``Lq + Lk`` concatenated tokens: a larger op.
@@ -70,6 +70,7 @@ from vlfuse.layers import CrossAttention
 from vlfuse.layers.attention import ProjectedContext
 
 LAYER_SIZE = (32, 32, 197, 768, 16)
+PARTS = ("generation", "training", "layer")
 QUICK = {"images": 4, "length": 4, "train_batch": 4, "layer_size": [2, 4, 9, 32, 4], "repeats": 2, "warmup": 1}
 
 
@@ -82,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--train-batch", type=int, default=64, help="captions of the timed training step (default 64, the config's batch)")
     parser.add_argument("--layer-size", type=int, nargs=5, default=list(LAYER_SIZE), metavar=("B", "LQ", "LK", "D", "H"),
                         help="fusion-layer batch, query and key lengths, width, heads (default 32 32 197 768 16)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="what to time (default all): caption generation, the caption models' training step, the fusion layer")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke test")
     parser.add_argument("--out", type=Path, help="also write the rows to OUT/peers_speed.csv")
     add_threads_argument(parser)
@@ -189,12 +192,11 @@ class _Residual(torch.nn.Module):
         return self.attention(text, encoder_hidden_states=image)[0]
 
 
-class KeysValuesApart(CrossAttention):
-    """vlfuse's layer with keys and values from two products (the halves of ``kv_proj``), not one split in two."""
+class OneKeyValueProduct(CrossAttention):
+    """vlfuse's layer as it was: keys and values from one product with ``kv_proj``, split in two."""
 
     def project_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> ProjectedContext:
-        biases = self.kv_proj.bias.chunk(2)
-        key, value = (F.linear(context, weight, bias) for weight, bias in zip(self.kv_proj.weight.chunk(2), biases))
+        key, value = self.kv_proj(context).chunk(2, dim=-1)  # each (B, Lk, H * hd), interleaved in memory
         return ProjectedContext(self.split_heads(key), self.split_heads(value), context_mask)  # each (B, H, Lk, hd)
 
 
@@ -213,12 +215,12 @@ def layer_modules(d: int, h: int) -> dict[str, tuple[torch.nn.Module, bool]]:
                                      (bert.self.value, v_weight, v_bias), (bert.output.dense, ours.out_proj.weight, ours.out_proj.bias)):
             target.weight.copy_(weight)
             target.bias.copy_(bias)
-    apart = KeysValuesApart(d, h).eval()
-    apart.load_state_dict(ours.state_dict())
+    one_product = OneKeyValueProduct(d, h).eval()
+    one_product.load_state_dict(ours.state_dict())
     timm_attention = timm.layers.Attention(d, num_heads=h, qkv_bias=True).eval()
     return {
         "vlfuse CrossAttention": (ours, True),
-        "vlfuse, k and v apart": (apart, True),
+        "vlfuse, one k/v product": (one_product, True),
         "bert cross (same op)": (BertSameOp(bert), True),
         "BertAttention (cross)": (_Residual(bert), True),
         "timm Attention (concat)": (timm_attention, False),
@@ -265,10 +267,15 @@ def against(timings: Timings, case, reference) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
-    pair = caption_pair(args)
-    generate, written = generation_cases(pair, args)
-    train = training_cases(pair, args)
-    layers = layer_cases(args)
+    generate, written, train, layers = {}, {}, {}, {}
+    if {"generation", "training"} & set(args.parts):
+        pair = caption_pair(args)
+        if "generation" in args.parts:
+            generate, written = generation_cases(pair, args)
+        if "training" in args.parts:
+            train = training_cases(pair, args)
+    if "layer" in args.parts:
+        layers = layer_cases(args)
     timings = time_interleaved({**generate, **train, **layers}, args.repeats, args.warmup)
     lengths = {name: set(ids.tolist()) for name, ids in written.items()}
     if any(found != {args.length} for found in lengths.values()):
@@ -280,12 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     rows += [[step, name, timings.median((step, name)) * 1e3, None, *against(timings, (step, name), (step, "vlfuse CrossAttention"))]
              for step in ("forward", "forward + backward") for s, name in layers if s == step]
     b, lq, lk, d, h = args.layer_size
+    sizes = {"generation": f"generation: {args.images} captions of {args.length} tokens",
+             "training": f"training step: {args.train_batch} captions",
+             "layer": f"layer: B={b} Lq={lq} Lk={lk} D={d} H={h}, float32"}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repetitions side by side "
-          f"({args.warmup} untimed first); generation: {args.images} captions of {args.length} tokens; "
-          f"training step: {args.train_batch} captions; "
-          f"layer: B={b} Lq={lq} Lk={lk} D={d} H={h}, float32")
+          f"({args.warmup} untimed first); " + "; ".join(sizes[part] for part in PARTS if part in args.parts))
     print(markdown_table(["what", "case", "ms (median)", "captions/s", "time / vlfuse's (median)", "worst"], rows,
-                         formats=[None, None, "{:.2f}", "{:.1f}", "{:.2f}", "{:.2f}"]))
+                         formats=[None, None, "{:.2f}", "{:.1f}", "{:.3f}", "{:.3f}"]))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "peers_speed.csv", "w", newline="") as f:

@@ -29,9 +29,10 @@ def inputs(b=3, lq=5, lk=7, dim=32, kv_dim=32, seed=1):
 
 @pytest.mark.parametrize("kv_dim", [32, 48])
 @pytest.mark.parametrize("with_mask", [False, True])
-def test_matches_torch_multihead_attention(kv_dim, with_mask):
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_torch_multihead_attention(kv_dim, with_mask, bias):
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(32, 4, batch_first=True, kdim=kv_dim, vdim=kv_dim).eval()
+    mha = nn.MultiheadAttention(32, 4, batch_first=True, kdim=kv_dim, vdim=kv_dim, bias=bias).eval()
     with torch.no_grad():
         for name, p in mha.named_parameters():
             if "bias" in name:

@@ -321,7 +321,11 @@ class MultiHeadAttention(nn.Module):
     def project_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> ProjectedContext:
         """Project ``context`` ``(B, Lk, kv_dim)`` to keys and values once, for reuse across calls."""
         _check_context(context, context_mask, self.kv_dim)
-        key, value = self.kv_proj(context).chunk(2, dim=-1)  # each (B, Lk, H * hd)
+        # Two products with the halves of kv_proj rather than one product split in two: the keys and
+        # the values each come out contiguous for SDPA, and backward adds the two input gradients
+        # instead of concatenating the key and value gradients into one (B, Lk, 2 * H * hd) tensor.
+        biases = (None, None) if self.kv_proj.bias is None else self.kv_proj.bias.chunk(2)
+        key, value = (F.linear(context, w, b) for w, b in zip(self.kv_proj.weight.chunk(2), biases))  # each (B, Lk, H * hd)
         return ProjectedContext(self.split_heads(key), self.split_heads(value), context_mask)
 
     def split_heads(self, t: torch.Tensor) -> torch.Tensor:
