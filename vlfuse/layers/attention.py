@@ -324,8 +324,9 @@ class MultiHeadAttention(nn.Module):
         # Two products with the halves of kv_proj rather than one product split in two: the keys and
         # the values each come out contiguous for SDPA, and backward adds the two input gradients
         # instead of concatenating the key and value gradients into one (B, Lk, 2 * H * hd) tensor.
-        biases = (None, None) if self.kv_proj.bias is None else self.kv_proj.bias.chunk(2)
-        key, value = (F.linear(context, w, b) for w, b in zip(self.kv_proj.weight.chunk(2), biases))  # each (B, Lk, H * hd)
+        weight, bias, inner = self.kv_proj.weight, self.kv_proj.bias, self.kv_proj.out_features // 2
+        key = F.linear(context, weight[:inner], None if bias is None else bias[:inner])  # (B, Lk, H * hd)
+        value = F.linear(context, weight[inner:], None if bias is None else bias[inner:])  # (B, Lk, H * hd)
         return ProjectedContext(self.split_heads(key), self.split_heads(value), context_mask)
 
     def split_heads(self, t: torch.Tensor) -> torch.Tensor:
