@@ -324,6 +324,7 @@ class MultiHeadAttention(nn.Module):
         # Two products with the halves of kv_proj rather than one product split in two: the keys and
         # the values each come out contiguous for SDPA, and backward adds the two input gradients
         # instead of concatenating the key and value gradients into one (B, Lk, 2 * H * hd) tensor.
+        # Slices, not chunk(): an ONNX export folds them into two stored weights, which int8 quantizes.
         weight, bias, inner = self.kv_proj.weight, self.kv_proj.bias, self.kv_proj.out_features // 2
         key = F.linear(context, weight[:inner], None if bias is None else bias[:inner])  # (B, Lk, H * hd)
         value = F.linear(context, weight[inner:], None if bias is None else bias[inner:])  # (B, Lk, H * hd)
