@@ -116,6 +116,20 @@ def test_projected_context_is_reusable():
         torch.testing.assert_close(attn(x, kv=kv), attn(x, ctx, context_mask=mask))
 
 
+def test_a_lora_adapter_on_kv_proj_changes_the_keys_and_values_as_its_merged_weight_does():
+    """peft wraps kv_proj in a module of its own; the layer must call it, not read its base weight."""
+    peft = pytest.importorskip("peft")
+    attn = make(kv_dim=24).eval()
+    x, ctx = inputs(b=2, kv_dim=24)
+    plain = attn(x, ctx)
+    adapted = peft.get_peft_model(attn, peft.LoraConfig(r=4, target_modules=["kv_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        out = adapted(x, ctx)
+    assert (out - plain).abs().max() > 1e-3  # the adapter is not left out
+    merged = adapted.merge_and_unload()  # a plain nn.Linear again, with the adapter in its weight
+    assert type(merged.kv_proj) is nn.Linear
+    torch.testing.assert_close(merged(x, ctx), out, rtol=1e-5, atol=1e-6)
+
 
 @pytest.mark.parametrize("use_sdpa", [True, False])
 def test_shared_contexts_equal_repeated_contexts(use_sdpa):

@@ -321,13 +321,18 @@ class MultiHeadAttention(nn.Module):
     def project_context(self, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> ProjectedContext:
         """Project ``context`` ``(B, Lk, kv_dim)`` to keys and values once, for reuse across calls."""
         _check_context(context, context_mask, self.kv_dim)
-        # Two products with the halves of kv_proj rather than one product split in two: the keys and
-        # the values each come out contiguous for SDPA, and backward adds the two input gradients
-        # instead of concatenating the key and value gradients into one (B, Lk, 2 * H * hd) tensor.
-        # Slices, not chunk(): an ONNX export folds them into two stored weights, which int8 quantizes.
-        weight, bias, inner = self.kv_proj.weight, self.kv_proj.bias, self.kv_proj.out_features // 2
-        key = F.linear(context, weight[:inner], None if bias is None else bias[:inner])  # (B, Lk, H * hd)
-        value = F.linear(context, weight[inner:], None if bias is None else bias[inner:])  # (B, Lk, H * hd)
+        if type(self.kv_proj) is nn.Linear:
+            # Two products with the halves of kv_proj rather than one product split in two: the keys and
+            # the values each come out contiguous for SDPA, and backward adds the two input gradients
+            # instead of concatenating the key and value gradients into one (B, Lk, 2 * H * hd) tensor.
+            # Slices, not chunk(): an ONNX export folds them into two stored weights, which int8 quantizes.
+            weight, bias, inner = self.kv_proj.weight, self.kv_proj.bias, self.kv_proj.out_features // 2
+            key = F.linear(context, weight[:inner], None if bias is None else bias[:inner])  # (B, Lk, H * hd)
+            value = F.linear(context, weight[inner:], None if bias is None else bias[inner:])  # (B, Lk, H * hd)
+        else:
+            # A module put in its place (a peft LoRA layer, a quantized Linear) runs as it is: its
+            # weight alone would leave out what the module adds.
+            key, value = self.kv_proj(context).chunk(2, dim=-1)  # each (B, Lk, H * hd)
         return ProjectedContext(self.split_heads(key), self.split_heads(value), context_mask)
 
     def split_heads(self, t: torch.Tensor) -> torch.Tensor:
