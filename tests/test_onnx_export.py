@@ -134,19 +134,22 @@ def test_int8_export_is_quantized_and_answers(int8_dir, fp32_dir, images):
     np.testing.assert_allclose([r["score"] for r in int8], [r["score"] for r in fp32], atol=0.1)
 
 
+def float_products_with_a_stored_weight(graph: onnx.GraphProto) -> list[str]:
+    """The names of the float matrix products of ``graph`` whose weight is one of its initializers."""
+    stored = {init.name for init in graph.initializer}
+    return [node.name for node in graph.node if node.op_type in ("MatMul", "Gemm") and node.input[1] in stored]
+
+
 def test_every_linear_layer_is_a_product_with_a_stored_weight_and_int8_quantizes_each(model, fp32_dir, int8_dir):
     """onnxruntime quantizes only products whose weight is stored in the graph: a weight that reaches
     its product through an op run at inference (a split of ``kv_proj`` into keys and values, say)
     stays float32. Each attention layer's ``kv_proj`` is two products, its halves."""
-    graph = onnx.load(fp32_dir / ONNX_FILE).graph
-    stored = {init.name for init in graph.initializer}
-    products = [node for node in graph.node if node.op_type in ("MatMul", "Gemm") and node.input[1] in stored]
+    products = float_products_with_a_stored_weight(onnx.load(fp32_dir / ONNX_FILE).graph)
     linear_layers = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     attention_layers = sum(isinstance(m, MultiHeadAttention) for m in model.modules())
     assert attention_layers > 0 and len(products) == linear_layers + attention_layers
     int8 = onnx.load(int8_dir / ONNX_FILE).graph
-    int8_stored = {init.name for init in int8.initializer}
-    assert [node.name for node in int8.node if node.op_type in ("MatMul", "Gemm") and node.input[1] in int8_stored] == []
+    assert float_products_with_a_stored_weight(int8) == []
     assert sum(node.op_type == "MatMulInteger" for node in int8.node) >= len(products)
 
 
