@@ -3,12 +3,14 @@
 Each trial is the command a user types, shrunk to a fixed amount of work (by default the README's
 main command on 200 images for 2 epochs, without the test), in a fresh process, timed from start
 to end. A load of N is N other ``vlfuse fit`` processes of the default config, started before the
-trials and running all through them, each with torch's default threads (what another user's
-training does). In every repetition each setting runs once, in a rotating order, so that the load
+trials and running all through them, each with torch's default threads. By default they wait as any
+torch program does (``--load-waits default``: another user's training); ``--load-waits vlfuse``
+starts them as the ``vlfuse`` command does, with its passive waits (the same user's other runs). In every repetition each setting runs once, in a rotating order, so that the load
 falls on all alike; the table gives the median wall time per setting and load, and each setting's
 ratio to the best setting at that load (median of paired ratios).
 
     .venv/bin/python scripts/bench_threads_under_load.py --loads 0 2 --repeats 3
+    .venv/bin/python scripts/bench_threads_under_load.py --full --loads 0 2 --repeats 2 --settings "vlfuse's default" --load-waits vlfuse
 
 A setting (:data:`SETTINGS`) is how the trial starts and the environment and options it gets:
 ``passive waits`` is ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep at once when they wait,
@@ -38,6 +40,8 @@ TORCH_FIRST = ["-c", "import sys, torch; from vlfuse.cli import main; sys.exit(m
 waits as any torch program does (OpenMP's default), as the other trainings of a load do."""
 VLFUSE = ["-m", "vlfuse.cli"]
 """Starts ``vlfuse`` as its command does."""
+LOAD_WAITS = {"default": TORCH_FIRST, "vlfuse": VLFUSE}
+"""``--load-waits``: how the other trainings of a load start (:data:`TORCH_FIRST` or :data:`VLFUSE`)."""
 
 SETTINGS: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "OpenMP's default waits, torch's threads": (TORCH_FIRST, {}, []),
@@ -75,11 +79,11 @@ def environment(changes: dict[str, str]) -> dict[str, str]:
     return {**env, **changes}
 
 
-def start_load(count: int, scratch: Path) -> list[subprocess.Popen]:
-    """``count`` other trainings of the default config (torch's threads), running until stopped."""
+def start_load(count: int, scratch: Path, entry: list[str]) -> list[subprocess.Popen]:
+    """``count`` other trainings of the default config (torch's threads), started by ``entry``, running until stopped."""
     processes = []
     for index in range(count):
-        command = [sys.executable, *TORCH_FIRST, *fit_command(scratch / f"load_{index}", 2000, 1000, [])]
+        command = [sys.executable, *entry, *fit_command(scratch / f"load_{index}", 2000, 1000, [])]
         processes.append(subprocess.Popen(command, env=environment({}), stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=True))
     return processes
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
                         "the config's 10 epochs and the test (instead of --images and --epochs)")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), metavar="NAME",
                         help=f"settings to compare (default all: {'; '.join(SETTINGS)})")
+    parser.add_argument("--load-waits", choices=list(LOAD_WAITS), default="default",
+                        help="how the other trainings wait: as any torch program (default) or as vlfuse's runs (passive)")
     args = parser.parse_args(argv)
     if args.full:
         args.images = args.epochs = None
@@ -117,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         scratch = Path(folder)
         for load in args.loads:
-            others = start_load(load, scratch)
+            others = start_load(load, scratch, LOAD_WAITS[args.load_waits])
             try:
                 time.sleep(15 if load else 0)  # the others past their start-up, training
                 samples: dict[str, list[float]] = {name: [] for name in args.settings}
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append([str(load), name, f"{statistics.median(samples[name]):.1f}", f"{max(samples[name]):.1f}",
                              f"{paired_ratio(samples[name], samples[best]):.2f}"])
     work = "the README's main command" if args.full else f"vlfuse fit on {args.images} images x {args.epochs} epochs"
-    print(f"{work}, {args.repeats} trials each, {os.cpu_count()} cores")
+    print(f"{work}, {args.repeats} trials each, {os.cpu_count()} cores, other trainings' waits: {args.load_waits}")
     print(markdown_table(["other trainings", "setting", "median (s)", "worst (s)", "time : best at that load"], rows))
 
 
