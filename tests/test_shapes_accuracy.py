@@ -30,6 +30,7 @@ def shapes_accuracy_output(tmp_path, *flags: str) -> str:
 
 
 @needs_shapes
+@pytest.mark.slow  # docs/datasets.md runs this command on a trained SHAPES model in every suite run
 def test_reports_every_depth_and_all_val_questions(tmp_path):
     stdout = shapes_accuracy_output(tmp_path)
     rows = [line for line in stdout.splitlines() if line.startswith("| ")]
