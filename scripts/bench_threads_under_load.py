@@ -5,9 +5,10 @@ main command on 200 images for 2 epochs, without the test), in a fresh process, 
 to end. A load of N is N other ``vlfuse fit`` processes of the default config, started before the
 trials and running all through them, each with torch's default threads. By default they wait as any
 torch program does (``--load-waits default``: another user's training); ``--load-waits vlfuse``
-starts them as the ``vlfuse`` command does, with its passive waits (the same user's other runs). In every repetition each setting runs once, in a rotating order, so that the load
-falls on all alike; the table gives the median wall time per setting and load, and each setting's
-ratio to the best setting at that load (median of paired ratios).
+starts them as the ``vlfuse`` command does, with its passive waits (the same user's other runs).
+In every repetition each setting runs once, in a rotating order, so that the load falls on all
+alike; the table gives the median wall time per setting and load, and each setting's ratio to the
+best setting at that load (median of paired ratios).
 
     .venv/bin/python scripts/bench_threads_under_load.py --loads 0 2 --repeats 3
     .venv/bin/python scripts/bench_threads_under_load.py --full --loads 0 2 --repeats 2 --settings "vlfuse's default" --load-waits vlfuse
