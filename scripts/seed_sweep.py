@@ -53,9 +53,16 @@ def fit_command(sweep: dict, variant: str, seed: int, root: Path) -> list[str]:
     ]
 
 
+def run_order(sweep: dict) -> list[tuple[str, int]]:
+    """Every (variant, seed), seed by seed: the variants of one seed start together and share the
+    machine's load, so that their times can be compared."""
+    return [(variant, seed) for seed in sweep["seeds"] for variant in sweep["variants"]]
+
+
 def run_sweep(sweep: dict, out: Path, parallel: int) -> list[dict]:
-    """Run every (variant, seed), ``parallel`` at a time; one dict per run (name, seed, rc, seconds, root)."""
-    pending = [(v, s) for v in sweep["variants"] for s in sweep["seeds"]]
+    """Run every (variant, seed) in :func:`run_order`, ``parallel`` at a time; one dict per run
+    (name, seed, rc, seconds, root)."""
+    pending = run_order(sweep)
     running, finished = [], []
     while pending or running:
         while pending and len(running) < parallel:

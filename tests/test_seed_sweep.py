@@ -56,3 +56,8 @@ def test_gradient_norms_refuses_a_zero_interval():
 
     with pytest.raises(ValueError, match="every_n_steps must be at least 1"):
         GradientNorms(every_n_steps=0)
+
+
+def test_the_variants_of_a_seed_run_together_so_that_their_times_compare():
+    sweep = {"config": "c.yaml", "variants": {"a": [], "b": ["--x"]}, "seeds": [3, 1]}
+    assert load_script("seed_sweep").run_order(sweep) == [("a", 3), ("b", 3), ("a", 1), ("b", 1)]
