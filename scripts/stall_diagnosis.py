@@ -61,6 +61,13 @@ def load_epoch(model: VLFuseModel, checkpoint: Path) -> None:
     model.load_state_dict({name.removeprefix("model."): value for name, value in state.items() if name.startswith("model.")})
 
 
+def count_answers(correct: dict, total: dict, kinds: list[str], scores: torch.Tensor, labels: torch.Tensor) -> None:
+    """Add each question's right or wrong answer (``scores`` ``(Bq, answers)`` against ``labels``) to its kind's counts."""
+    for kind, guess, label in zip(kinds, scores.argmax(-1).tolist(), labels.tolist()):
+        total[kind] += 1
+        correct[kind] += guess == label
+
+
 def attention_and_accuracy(model: VLFuseModel, batches) -> tuple[dict, dict, float]:
     """``(accuracy[kind], object_share[layer][kind], object_area)`` over ``batches``."""
     grid, prefix = tuple(model.image_encoder.grid_size), model.attention_prefix_tokens
@@ -73,9 +80,7 @@ def attention_and_accuracy(model: VLFuseModel, batches) -> tuple[dict, dict, flo
             inputs = model.processor.batch(batch, "cpu")
             out = model(**inputs, weights_from=layers)
             kinds = [question_kind(question) for question in batch["questions"]]
-            for kind, guess, label in zip(kinds, out.logits.argmax(-1).tolist(), batch["labels"].tolist()):
-                total[kind] += 1
-                correct[kind] += guess == label
+            count_answers(correct, total, kinds, out.logits, batch["labels"])
             objects = object_cells(inputs.pixel_values, grid)  # (Bi, cells)
             area_sum += objects.float().mean(-1).sum().item()
             images += len(objects)
@@ -130,9 +135,7 @@ def refit_head(model: VLFuseModel, train, test, *, epochs: int, lr: float, seed:
         correct, total = defaultdict(int), defaultdict(int)
         with torch.no_grad():
             for fused, text_mask, labels, kinds in test:
-                for kind, guess, label in zip(kinds, head(fused, text_mask).argmax(-1).tolist(), labels.tolist()):
-                    total[kind] += 1
-                    correct[kind] += guess == label
+                count_answers(correct, total, kinds, head(fused, text_mask), labels)
         scores[epoch] = {kind: correct[kind] / total[kind] for kind in total}
     return scores
 
@@ -176,7 +179,6 @@ def main() -> None:
 
     if args.refit_epoch is not None:
         load_epoch(model, checkpoints[args.refit_epoch])
-        torch.manual_seed(args.seed)
         train = fused_tokens(model, data.train_dataloader())
         test = fused_tokens(model, data.test_dataloader())
         refit = refit_head(model, train, test, epochs=args.refit_epochs, lr=args.refit_lr, seed=args.seed)

@@ -49,7 +49,7 @@ def test_loading_an_epoch_changes_the_model_to_that_epoch_s_weights(run):
 
 
 def test_a_fresh_head_learns_what_the_fused_tokens_carry(run):
-    """Fused tokens whose first feature, on the first token, names the answer: the refit learns it."""
+    """Fused tokens whose first feature, on every token, names the answer: the refit learns it."""
     model = diagnosis.load_model(run / "model")
     generator = torch.Generator().manual_seed(0)
     batches = []
